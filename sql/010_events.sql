@@ -1,0 +1,56 @@
+-- Errors raised by yuxi functions use SQLSTATE class YX (Python maps them by
+-- code in yuxi/errors.py, never by message text):
+--   YX001 illegal transition   YX002 not found   YX003 lease lost
+--   YX004 idempotency conflict
+
+-- Lock a tree row for the rest of the transaction. Every transition takes it
+-- first (lock order: session advisory lock, then tree row, then turn/run rows),
+-- which serializes a tree's transitions and keeps event numbers in commit order.
+CREATE FUNCTION yuxi.lock_tree_v1(p_tree uuid) RETURNS yuxi.trees
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_tree yuxi.trees;
+BEGIN
+    SELECT * INTO v_tree FROM yuxi.trees WHERE id = p_tree FOR UPDATE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'tree % not found', p_tree USING ERRCODE = 'YX002';
+    END IF;
+    RETURN v_tree;
+END;
+$$;
+
+-- Append an event with the tree's next sequence number and notify listeners
+-- with ids only (delivered at commit). A non-null dedupe_key that was already
+-- recorded in this tree makes this a no-op returning NULL: a step re-executed
+-- after a crash reports its fact once, and no sequence number is skipped.
+CREATE FUNCTION yuxi.emit_event_v1(
+    p_tree uuid, p_session uuid, p_turn uuid, p_run uuid,
+    p_type text, p_data jsonb DEFAULT '{}', p_dedupe_key text DEFAULT NULL
+) RETURNS bigint
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_seq bigint;
+    v_user uuid;
+    v_app uuid;
+BEGIN
+    IF p_dedupe_key IS NOT NULL THEN
+        -- Take the tree lock before looking, so two writers cannot both miss.
+        PERFORM yuxi.lock_tree_v1(p_tree);
+        IF EXISTS (SELECT 1 FROM yuxi.events
+                   WHERE tree_id = p_tree AND dedupe_key = p_dedupe_key) THEN
+            RETURN NULL;
+        END IF;
+    END IF;
+    UPDATE yuxi.trees SET next_seq = next_seq + 1 WHERE id = p_tree
+        RETURNING next_seq, user_id, app_id INTO v_seq, v_user, v_app;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'tree % not found', p_tree USING ERRCODE = 'YX002';
+    END IF;
+    INSERT INTO yuxi.events (tree_id, seq, user_id, app_id, session_id, turn_id, run_id,
+                             type, data, dedupe_key)
+    VALUES (p_tree, v_seq, v_user, v_app, p_session, p_turn, p_run,
+            p_type, coalesce(p_data, '{}'), p_dedupe_key);
+    PERFORM pg_notify('yuxi_events', p_tree::text || ' ' || v_seq::text);
+    RETURN v_seq;
+END;
+$$;

@@ -1,0 +1,145 @@
+-- Sessions, inputs and turns: receiving work and starting turns in FIFO order.
+
+-- The key of a session's advisory lock: receiving an input and updating the
+-- session's config hold it, so an input never sees a half-applied update.
+CREATE FUNCTION yuxi.session_lock_key_v1(p_session uuid) RETURNS bigint
+    LANGUAGE sql IMMUTABLE AS $$
+    SELECT ('x' || substr(md5('yuxi.session:' || p_session::text), 1, 16))::bit(64)::bigint;
+$$;
+
+-- Create a root session (and its tree) with a fully resolved config snapshot.
+CREATE FUNCTION yuxi.create_root_session_v1(
+    p_user uuid, p_app uuid, p_agent uuid, p_title text, p_config jsonb
+) RETURNS yuxi.sessions
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_id uuid := gen_random_uuid();
+    v_session yuxi.sessions;
+BEGIN
+    INSERT INTO yuxi.trees (id, user_id, app_id) VALUES (v_id, p_user, p_app);
+    INSERT INTO yuxi.sessions (id, tree_id, parent_id, user_id, app_id, agent_id,
+                               name, path, title, config)
+    VALUES (v_id, v_id, NULL, p_user, p_app, p_agent, 'root', '/root', p_title, p_config)
+    RETURNING * INTO v_session;
+    PERFORM yuxi.emit_event_v1(v_id, v_id, NULL, NULL, 'session.created',
+                               jsonb_build_object('path', v_session.path, 'title', p_title));
+    RETURN v_session;
+END;
+$$;
+
+-- Start the session's oldest queued turn if nothing is in flight and its
+-- queue is not paused: the turn runs, its first run is created with the
+-- input's frozen config and claims a slot (or waits in the tree FIFO).
+-- Returns the started turn's id or NULL. Caller holds the tree lock or not;
+-- it is taken here first either way.
+CREATE FUNCTION yuxi.start_next_turn_v1(p_session uuid) RETURNS uuid
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_session yuxi.sessions;
+    v_turn yuxi.turns;
+    v_snapshot jsonb;
+    v_run uuid;
+BEGIN
+    SELECT * INTO v_session FROM yuxi.sessions WHERE id = p_session;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'session % not found', p_session USING ERRCODE = 'YX002';
+    END IF;
+    PERFORM yuxi.lock_tree_v1(v_session.tree_id);
+    SELECT queue_paused INTO v_session.queue_paused FROM yuxi.sessions WHERE id = p_session;
+    IF v_session.queue_paused OR EXISTS (
+        SELECT 1 FROM yuxi.turns WHERE session_id = p_session
+          AND status IN ('running', 'waiting', 'waiting_user', 'cancelling')) THEN
+        RETURN NULL;
+    END IF;
+    SELECT * INTO v_turn FROM yuxi.turns
+        WHERE session_id = p_session AND status = 'queued'
+        ORDER BY seq LIMIT 1 FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    UPDATE yuxi.turns SET status = 'running', started_at = now() WHERE id = v_turn.id;
+    UPDATE yuxi.inputs SET status = 'started', started_at = now()
+        WHERE id = v_turn.input_id
+        RETURNING context_snapshot INTO v_snapshot;
+    INSERT INTO yuxi.runs (turn_id, session_id, tree_id, user_id, app_id, config)
+    VALUES (v_turn.id, p_session, v_turn.tree_id, v_turn.user_id, v_turn.app_id, v_snapshot)
+    RETURNING id INTO v_run;
+    PERFORM yuxi.emit_event_v1(v_turn.tree_id, p_session, v_turn.id, v_run, 'turn.started',
+                               jsonb_build_object('input_id', v_turn.input_id));
+    PERFORM yuxi.claim_slot_v1(v_run);
+    RETURN v_turn.id;
+END;
+$$;
+
+-- Durably receive an input (one transaction, under the session advisory
+-- lock): idempotent on client_request_id, freezes the session config with the
+-- one-off overrides into the input, creates its turn (queued) and starts it if
+-- the session is idle. Returns the input id; a replayed client_request_id
+-- returns the first input's id and writes nothing.
+CREATE FUNCTION yuxi.receive_input_v1(
+    p_session uuid, p_user uuid, p_app uuid, p_content text, p_mode text,
+    p_overrides jsonb, p_client_request_id text
+) RETURNS uuid
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_session yuxi.sessions;
+    v_input uuid;
+    v_turn uuid;
+BEGIN
+    SELECT * INTO v_session FROM yuxi.sessions
+        WHERE id = p_session AND user_id = p_user AND app_id = p_app;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'session % not found', p_session USING ERRCODE = 'YX002';
+    END IF;
+    PERFORM pg_advisory_xact_lock(yuxi.session_lock_key_v1(p_session));
+    PERFORM yuxi.lock_tree_v1(v_session.tree_id);
+    IF p_client_request_id IS NOT NULL THEN
+        SELECT id INTO v_input FROM yuxi.inputs
+            WHERE session_id = p_session AND client_request_id = p_client_request_id;
+        IF FOUND THEN
+            RETURN v_input;
+        END IF;
+    END IF;
+    -- Re-read the config under the lock: an update that committed while we
+    -- waited must be in the snapshot, never half of it.
+    SELECT * INTO v_session FROM yuxi.sessions WHERE id = p_session;
+    INSERT INTO yuxi.inputs (session_id, tree_id, user_id, app_id, content, mode,
+                             client_request_id, context_snapshot)
+    VALUES (p_session, v_session.tree_id, p_user, p_app, p_content, p_mode,
+            p_client_request_id, v_session.config || coalesce(p_overrides, '{}'))
+    RETURNING id INTO v_input;
+    INSERT INTO yuxi.turns (session_id, tree_id, user_id, app_id, input_id)
+    VALUES (p_session, v_session.tree_id, p_user, p_app, v_input)
+    RETURNING id INTO v_turn;
+    UPDATE yuxi.inputs SET turn_id = v_turn WHERE id = v_input;
+    PERFORM yuxi.emit_event_v1(v_session.tree_id, p_session, v_turn, NULL, 'input.received',
+                               jsonb_build_object('input_id', v_input, 'mode', p_mode));
+    PERFORM yuxi.start_next_turn_v1(p_session);
+    RETURN v_input;
+END;
+$$;
+
+-- Update a session's mutable settings (title, model, approval mode) under the
+-- same advisory lock as receive_input: only inputs received afterwards see it.
+-- p_changes holds only the keys to change.
+CREATE FUNCTION yuxi.update_session_v1(
+    p_session uuid, p_user uuid, p_app uuid, p_changes jsonb
+) RETURNS yuxi.sessions
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_session yuxi.sessions;
+BEGIN
+    PERFORM pg_advisory_xact_lock(yuxi.session_lock_key_v1(p_session));
+    UPDATE yuxi.sessions
+       SET title = CASE WHEN p_changes ? 'title' THEN p_changes->>'title' ELSE title END,
+           config = config || (p_changes - 'title')
+     WHERE id = p_session AND user_id = p_user AND app_id = p_app
+    RETURNING * INTO v_session;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'session % not found', p_session USING ERRCODE = 'YX002';
+    END IF;
+    PERFORM yuxi.emit_event_v1(v_session.tree_id, p_session, NULL, NULL, 'session.updated',
+                               p_changes);
+    RETURN v_session;
+END;
+$$;

@@ -1,0 +1,228 @@
+-- Runs: leases, fenced writes and the ends of a run. Every function a worker
+-- calls takes its lease token; a worker whose lease was lost (expired, or the
+-- run was recovered by someone else) gets YX003 and changes nothing.
+
+-- Take the lease of a ready run: it becomes running with a fresh token.
+-- Returns NULL when the run is not ready (a duplicate or stale job), so the
+-- caller simply stops.
+CREATE FUNCTION yuxi.start_run_v1(p_run uuid, p_token uuid, p_lease_seconds double precision)
+RETURNS yuxi.runs
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_run yuxi.runs;
+    v_first boolean;
+BEGIN
+    SELECT * INTO v_run FROM yuxi.runs WHERE id = p_run;
+    IF NOT FOUND OR v_run.status <> 'ready' THEN
+        RETURN NULL;
+    END IF;
+    PERFORM yuxi.lock_tree_v1(v_run.tree_id);
+    UPDATE yuxi.runs
+       SET status = 'running', lease_token = p_token, started_at = now(),
+           lease_expires_at = clock_timestamp() + make_interval(secs => p_lease_seconds)
+     WHERE id = p_run AND status = 'ready'
+    RETURNING * INTO v_run;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
+                               'run.started', jsonb_build_object('attempt', v_run.attempt));
+    RETURN v_run;
+END;
+$$;
+
+-- Extend a lease. Returns false when the lease is lost: the worker must stop.
+CREATE FUNCTION yuxi.heartbeat_run_v1(p_run uuid, p_token uuid, p_lease_seconds double precision)
+RETURNS boolean
+    LANGUAGE sql AS $$
+    WITH extended AS (
+        UPDATE yuxi.runs
+           SET lease_expires_at = clock_timestamp() + make_interval(secs => p_lease_seconds)
+         WHERE id = p_run AND lease_token = p_token AND status = 'running'
+           AND lease_expires_at > clock_timestamp()
+        RETURNING 1)
+    SELECT EXISTS (SELECT 1 FROM extended);
+$$;
+
+-- Assert the caller still holds the lease, and keep it held (FOR SHARE) until
+-- the caller's transaction ends: checkpoint writes run this first, so a
+-- recovery cannot slip in between the check and the write.
+CREATE FUNCTION yuxi.check_lease_v1(p_run uuid, p_token uuid) RETURNS void
+    LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM 1 FROM yuxi.runs
+     WHERE id = p_run AND lease_token = p_token AND status = 'running'
+       AND lease_expires_at > clock_timestamp()
+     FOR SHARE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'lease of run % is lost', p_run USING ERRCODE = 'YX003';
+    END IF;
+END;
+$$;
+
+-- Lock the tree, then the run, and return the run if the token holds its
+-- lease; raise YX003 otherwise. The start of every fenced transition.
+CREATE FUNCTION yuxi.fence_run_v1(p_run uuid, p_token uuid) RETURNS yuxi.runs
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_run yuxi.runs;
+BEGIN
+    SELECT * INTO v_run FROM yuxi.runs WHERE id = p_run;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'run % not found', p_run USING ERRCODE = 'YX002';
+    END IF;
+    PERFORM yuxi.lock_tree_v1(v_run.tree_id);
+    SELECT * INTO v_run FROM yuxi.runs WHERE id = p_run FOR UPDATE;
+    IF v_run.status <> 'running' OR v_run.lease_token IS DISTINCT FROM p_token
+       OR v_run.lease_expires_at <= clock_timestamp() THEN
+        RAISE EXCEPTION 'lease of run % is lost', p_run USING ERRCODE = 'YX003';
+    END IF;
+    RETURN v_run;
+END;
+$$;
+
+-- An event reported by the executing worker (model output, tool start/end),
+-- fenced by its lease. Returns the event's seq, or NULL for a duplicate.
+CREATE FUNCTION yuxi.emit_run_event_v1(
+    p_run uuid, p_token uuid, p_type text, p_data jsonb, p_dedupe_key text
+) RETURNS bigint
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_run yuxi.runs;
+BEGIN
+    v_run := yuxi.fence_run_v1(p_run, p_token);
+    RETURN yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
+                              p_type, p_data, p_dedupe_key);
+END;
+$$;
+
+-- End a turn whose last run is p_run (already ended by the caller): the turn
+-- and its input take the final status, the run becomes the turn's result, the
+-- slot goes to the tree FIFO and the session's next queued turn starts.
+CREATE FUNCTION yuxi.finish_turn_v1(p_run uuid, p_status text, p_error text) RETURNS void
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_run yuxi.runs;
+    v_turn yuxi.turns;
+BEGIN
+    SELECT * INTO v_run FROM yuxi.runs WHERE id = p_run;
+    UPDATE yuxi.turns
+       SET status = p_status, result_run_id = p_run, error = p_error, finished_at = now()
+     WHERE id = v_run.turn_id
+       AND status IN ('running', 'waiting', 'waiting_user', 'cancelling')
+    RETURNING * INTO v_turn;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'turn % is not in flight', v_run.turn_id USING ERRCODE = 'YX001';
+    END IF;
+    UPDATE yuxi.inputs SET status = p_status, error = p_error, finished_at = now()
+     WHERE id = v_turn.input_id;
+    PERFORM yuxi.release_slot_v1(p_run);
+    PERFORM yuxi.emit_event_v1(v_turn.tree_id, v_turn.session_id, v_turn.id, p_run,
+                               'turn.' || p_status,
+                               jsonb_build_object('input_id', v_turn.input_id, 'error', p_error));
+    PERFORM yuxi.start_next_turn_v1(v_turn.session_id);
+END;
+$$;
+
+-- The executing worker completes its run with the turn's output.
+CREATE FUNCTION yuxi.complete_run_v1(p_run uuid, p_token uuid, p_output jsonb) RETURNS void
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_run yuxi.runs;
+BEGIN
+    v_run := yuxi.fence_run_v1(p_run, p_token);
+    UPDATE yuxi.runs SET status = 'completed', output = p_output, finished_at = now()
+     WHERE id = p_run;
+    PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
+                               'run.completed', '{}');
+    PERFORM yuxi.finish_turn_v1(p_run, 'completed', NULL);
+END;
+$$;
+
+-- The executing worker fails its run with an explicit error; the turn fails.
+CREATE FUNCTION yuxi.fail_run_v1(p_run uuid, p_token uuid, p_error text) RETURNS void
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_run yuxi.runs;
+BEGIN
+    v_run := yuxi.fence_run_v1(p_run, p_token);
+    UPDATE yuxi.runs SET status = 'failed', error = p_error, finished_at = now()
+     WHERE id = p_run;
+    PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
+                               'run.failed', jsonb_build_object('error', p_error));
+    PERFORM yuxi.finish_turn_v1(p_run, 'failed', p_error);
+END;
+$$;
+
+-- Recover a run whose lease expired (its worker died or hung): the run fails
+-- with the reason; the turn continues in a new run that inherits the slot and
+-- resumes from the last checkpoint, up to p_max_attempts runs; past that the
+-- turn fails explicitly. Returns the new run's id, or NULL when the run was
+-- not recoverable (lease still valid, already ended) or the turn gave up.
+CREATE FUNCTION yuxi.recover_run_v1(p_run uuid, p_max_attempts integer) RETURNS uuid
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_run yuxi.runs;
+    v_new uuid;
+    v_error text;
+BEGIN
+    SELECT * INTO v_run FROM yuxi.runs WHERE id = p_run;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    PERFORM yuxi.lock_tree_v1(v_run.tree_id);
+    SELECT * INTO v_run FROM yuxi.runs WHERE id = p_run FOR UPDATE;
+    IF v_run.status <> 'running' OR v_run.lease_expires_at > clock_timestamp() THEN
+        RETURN NULL;
+    END IF;
+    v_error := format('lease expired at %s (attempt %s): the worker stopped heartbeating',
+                      v_run.lease_expires_at, v_run.attempt);
+    UPDATE yuxi.runs SET status = 'failed', error = v_error, finished_at = now()
+     WHERE id = p_run;
+    IF v_run.attempt < p_max_attempts THEN
+        INSERT INTO yuxi.runs (turn_id, session_id, tree_id, user_id, app_id, attempt,
+                               status, config)
+        VALUES (v_run.turn_id, v_run.session_id, v_run.tree_id, v_run.user_id, v_run.app_id,
+                v_run.attempt + 1, 'ready', v_run.config)
+        RETURNING id INTO v_new;
+        -- The new run inherits the slot: the turn never re-queues behind others.
+        UPDATE yuxi.slot_claims SET run_id = v_new, claimed_at = now() WHERE run_id = p_run;
+        PERFORM yuxi.defer_run_job_v1(v_new);
+        PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
+                                   'run.failed',
+                                   jsonb_build_object('error', v_error, 'retry_run_id', v_new));
+        RETURN v_new;
+    END IF;
+    PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
+                               'run.failed', jsonb_build_object('error', v_error));
+    PERFORM yuxi.finish_turn_v1(
+        p_run, 'failed', format('gave up after %s attempts: %s', v_run.attempt, v_error));
+    RETURN NULL;
+END;
+$$;
+
+-- Re-deliver jobs of ready runs that have none waiting or running (a job
+-- lost between commit and pickup, or whose worker died before taking the
+-- lease). Returns the runs re-deferred.
+CREATE FUNCTION yuxi.redeliver_ready_runs_v1(p_older_than interval) RETURNS SETOF uuid
+    LANGUAGE plpgsql
+    SET search_path = procrastinate, pg_catalog
+AS $$
+DECLARE
+    v_run uuid;
+BEGIN
+    FOR v_run IN
+        SELECT r.id FROM yuxi.runs r
+         WHERE r.status = 'ready' AND r.created_at < now() - p_older_than
+           AND NOT EXISTS (
+               SELECT 1 FROM procrastinate_jobs j
+                WHERE j.task_name = 'execute_run' AND j.status IN ('todo', 'doing')
+                  AND j.args->>'run_id' = r.id::text
+                  AND (j.status = 'todo' OR j.worker_id IS NOT NULL))
+         FOR UPDATE SKIP LOCKED
+    LOOP
+        PERFORM yuxi.defer_run_job_v1(v_run);
+        RETURN NEXT v_run;
+    END LOOP;
+END;
+$$;

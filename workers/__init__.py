@@ -1,0 +1,1 @@
+"""Procrastinate app and tasks of Yuxi sessions."""

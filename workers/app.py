@@ -1,0 +1,30 @@
+"""The Procrastinate app of Yuxi sessions: `procrastinate --app=workers.app.app worker`
+(or `yuxi worker`). Its tables live in their own schema (`procrastinate`)."""
+
+from __future__ import annotations
+
+import procrastinate
+
+from yuxi import db
+from yuxi.settings import Settings
+
+settings = Settings.from_env()
+
+app = procrastinate.App(
+    connector=procrastinate.PsycopgConnector(
+        conninfo=db.with_search_path(settings.database_url, db.PROCRASTINATE_SCHEMA),
+        min_size=1,
+        max_size=4,
+    ),
+    import_paths=["workers.tasks"],
+    worker_defaults={
+        "queues": ["runs", "maintenance"],
+        "concurrency": settings.worker_concurrency,
+        # NOTIFY wakes idle workers at once; polling is only the fallback for
+        # scheduled jobs (the recovery sweep) and missed notifications.
+        "fetch_job_polling_interval": 1.0,
+        "delete_jobs": "successful",
+        "update_heartbeat_interval": 2.0,
+        "stalled_worker_timeout": 10.0,
+    },
+)

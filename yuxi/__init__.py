@@ -1,0 +1,3 @@
+"""Yuxi sessions: durable, cooperating LLM agent sessions on PostgreSQL."""
+
+__version__ = "0.1.0"

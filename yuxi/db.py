@@ -1,0 +1,110 @@
+"""Connections and named queries.
+
+All SQL lives in `sql/`: numbered files hold the schema and the functions that
+own state transitions, `sql/queries.sql` holds the named queries Python runs
+(`-- name: <query>` blocks), loaded once into QUERIES.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, LiteralString, cast
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.rows import dict_row
+from psycopg_pool import AsyncConnectionPool
+
+from yuxi import errors
+
+SQL_DIR = Path(__file__).resolve().parent.parent / "sql"
+PROCRASTINATE_SCHEMA = "procrastinate"
+CHECKPOINT_SCHEMA = "langgraph"
+
+
+def _load_queries(path: Path) -> dict[str, LiteralString]:
+    queries: dict[str, LiteralString] = {}
+    for block in re.split(r"^-- name: ", path.read_text(), flags=re.M)[1:]:
+        name, _, body = block.partition("\n")
+        queries[name.strip()] = cast(LiteralString, body.strip().rstrip(";"))
+    return queries
+
+
+QUERIES = _load_queries(SQL_DIR / "queries.sql")
+
+
+def with_search_path(url: str, schema: str) -> str:
+    """The same server and database, with `schema` first on the search path."""
+    return make_conninfo(url, options=f"-c search_path={schema},public")
+
+
+def database_name(url: str) -> str:
+    return conninfo_to_dict(url).get("dbname") or "postgres"
+
+
+def with_database(url: str, dbname: str) -> str:
+    return make_conninfo(url, dbname=dbname)
+
+
+def app_pool(url: str, *, min_size: int = 1, max_size: int = 10) -> AsyncConnectionPool:
+    """Pool for yuxi queries: autocommit (a SQL function call is its own
+    transaction; multi-statement work uses `transaction()`), dict rows."""
+    return AsyncConnectionPool(
+        url,
+        min_size=min_size,
+        max_size=max_size,
+        kwargs={"autocommit": True, "row_factory": dict_row},
+        open=False,
+        name="yuxi",
+    )
+
+
+def checkpoint_pool(url: str, *, min_size: int = 1, max_size: int = 10) -> AsyncConnectionPool:
+    """Pool for the LangGraph checkpointer, in its own schema."""
+    return AsyncConnectionPool(
+        with_search_path(url, CHECKPOINT_SCHEMA),
+        min_size=min_size,
+        max_size=max_size,
+        kwargs={"autocommit": True, "prepare_threshold": 0, "row_factory": dict_row},
+        open=False,
+        name="yuxi-checkpoints",
+    )
+
+
+@contextlib.contextmanager
+def domain_errors():
+    """Re-raise database errors that stand for domain errors as those."""
+    try:
+        yield
+    except psycopg.Error as exc:
+        mapped = errors.from_db(exc)
+        if mapped is None:
+            raise
+        raise mapped from exc
+
+
+async def fetch_one(conn: psycopg.AsyncConnection, query: str, params: Any = None) -> Any:
+    with domain_errors():
+        cur = await conn.execute(QUERIES[query], params)
+        return await cur.fetchone()
+
+
+async def fetch_all(conn: psycopg.AsyncConnection, query: str, params: Any = None) -> list[Any]:
+    with domain_errors():
+        cur = await conn.execute(QUERIES[query], params)
+        return await cur.fetchall()
+
+
+async def execute(conn: psycopg.AsyncConnection, query: str, params: Any = None) -> None:
+    with domain_errors():
+        await conn.execute(QUERIES[query], params)
+
+
+@contextlib.asynccontextmanager
+async def transaction(pool: AsyncConnectionPool) -> AsyncIterator[psycopg.AsyncConnection]:
+    """One connection and one transaction: a service call's unit of work."""
+    async with pool.connection() as conn, conn.transaction():
+        yield conn

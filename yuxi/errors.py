@@ -1,0 +1,79 @@
+"""One error root; database errors are mapped to domain errors by SQLSTATE."""
+
+from __future__ import annotations
+
+import psycopg
+
+
+class YuxiError(Exception):
+    """Something went wrong in Yuxi sessions."""
+
+    code = "error"
+
+    def __init__(self, message: str | None = None, **ids: object) -> None:
+        self.message = message or (self.__doc__ or self.code).strip()
+        self.ids = {k: str(v) for k, v in ids.items() if v is not None}
+        super().__init__(self.message)
+
+
+class NotFound(YuxiError):
+    """The object does not exist in your scope."""
+
+    code = "not_found"
+
+
+class IllegalTransition(YuxiError):
+    """The object is not in a state that allows this."""
+
+    code = "illegal_transition"
+
+
+class LeaseLost(YuxiError):
+    """The run's lease is lost: another worker owns it or it has ended."""
+
+    code = "lease_lost"
+
+
+class Conflict(YuxiError):
+    """The request conflicts with one already recorded."""
+
+    code = "conflict"
+
+
+class InvalidRequest(YuxiError):
+    """The request is invalid."""
+
+    code = "invalid_request"
+
+    def __init__(self, message: str | None = None, errors: list[dict] | None = None, **ids):
+        super().__init__(message, **ids)
+        self.errors = errors or []
+
+
+class SchemaVersionMismatch(YuxiError):
+    """The database was created by another schema version."""
+
+    code = "schema_version_mismatch"
+
+
+class DatabaseUnavailable(YuxiError):
+    """The database server cannot be reached."""
+
+    code = "database_unavailable"
+
+
+_BY_SQLSTATE: dict[str, type[YuxiError]] = {
+    "YX001": IllegalTransition,
+    "YX002": NotFound,
+    "YX003": LeaseLost,
+    "YX004": Conflict,
+}
+
+
+def from_db(exc: psycopg.Error) -> YuxiError | None:
+    """The domain error a database error stands for, or None."""
+    cls = _BY_SQLSTATE.get(exc.sqlstate or "")
+    if cls is None:
+        return None
+    message = exc.diag.message_primary if exc.diag else str(exc)
+    return cls(message)

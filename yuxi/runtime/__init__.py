@@ -1,0 +1,1 @@
+"""Session runtime: chat models, agent graph and execution."""

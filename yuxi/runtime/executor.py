@@ -1,0 +1,178 @@
+"""Execute one run: take its lease, drive the graph from the last checkpoint,
+heartbeat, and end the run in one fenced transaction.
+
+The worker keeps nothing that is not in PostgreSQL: the checkpoint holds the
+conversation, the run row holds the lease and the outcome. Killed at any
+instant, the run's lease expires and a new run of the same turn continues
+from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import Any
+
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+from psycopg_pool import AsyncConnectionPool
+
+from yuxi.errors import LeaseLost
+from yuxi.runtime.graph import build_graph
+from yuxi.runtime.models import build_chat_model
+from yuxi.runtime.saver import FencedSaver
+from yuxi.runtime.tools import BUILTIN_TOOLS
+from yuxi.services import runs
+from yuxi.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class EventReporter:
+    """Records what the graph does as fenced events. Dedupe keys make a step
+    re-executed after a crash report its fact once."""
+
+    def __init__(self, pool: AsyncConnectionPool, run_id: uuid.UUID, token: uuid.UUID,
+                 turn_id: uuid.UUID) -> None:
+        self.pool, self.run_id, self.token, self.turn_id = pool, run_id, token, turn_id
+
+    async def _emit(self, type_: str, data: dict[str, Any], key: str) -> None:
+        await runs.emit(self.pool, self.run_id, self.token, type_, data, f"{self.turn_id}:{key}")
+
+    async def message(self, message: AIMessage) -> None:
+        await self._emit(
+            "message",
+            {"message_id": message.id, "role": "ai", "content": message.content,
+             "tool_calls": [{"id": c["id"], "name": c["name"], "args": c["args"]}
+                            for c in message.tool_calls]},
+            f"message:{message.id}",
+        )
+
+    async def tool_started(self, call: dict[str, Any]) -> None:
+        await self._emit("tool.started", {"call_id": call["id"], "tool": call["name"],
+                                          "args": call.get("args") or {}},
+                         f"tool.started:{call['id']}")
+
+    async def tool_finished(self, call: dict[str, Any], result: str) -> None:
+        await self._emit("tool.finished", {"call_id": call["id"], "tool": call["name"],
+                                           "result": result},
+                         f"tool.finished:{call['id']}")
+
+
+def identity_message(run: dict[str, Any]) -> SystemMessage:
+    """The session's identity, loaded once per run and given to every model
+    call of the run (never stored in the conversation)."""
+    parent = run["session_parent_id"] or "none (root session)"
+    return SystemMessage(
+        content=(
+            f"You are Yuxi session '{run['session_name']}' at path {run['session_path']} "
+            f"(session id {run['session_id']}, parent {parent}, tree {run['tree_id']}, "
+            f"run {run['id']})."
+        ),
+        id=f"identity:{run['id']}",
+    )
+
+
+def input_message(run: dict[str, Any]) -> HumanMessage:
+    return HumanMessage(
+        content=run["input_content"],
+        id=f"input:{run['input_id']}",
+        additional_kwargs={"yuxi": {"turn_start": True, "turn_id": str(run["turn_id"]),
+                                    "input_id": str(run["input_id"])}},
+    )
+
+
+def turn_output(messages: list[Any], input_id: str) -> dict[str, Any]:
+    """The turn's final answer: the last AI message after its input."""
+    start = next(i for i, m in enumerate(messages) if m.id == input_id)
+    for message in reversed(messages[start:]):
+        if isinstance(message, AIMessage):
+            return {"text": message.text, "message_id": message.id}
+    raise RuntimeError("the turn ended without an answer")
+
+
+async def drive(graph: Any, cfg: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
+    """Run the graph from wherever the checkpoint says this turn is."""
+    first = input_message(run)
+    state = await graph.aget_state(cfg)
+    messages = state.values.get("messages", []) if state.values else []
+    if not any(m.id == first.id for m in messages):
+        await graph.ainvoke({"messages": [first]}, cfg, durability="sync")
+    elif state.next:
+        await graph.ainvoke(None, cfg, durability="sync")
+    state = await graph.aget_state(cfg)
+    return turn_output(state.values["messages"], first.id)
+
+
+class RunExecutor:
+    def __init__(self, settings: Settings, pool: AsyncConnectionPool,
+                 checkpoint_pool: AsyncConnectionPool) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.checkpoint_pool = checkpoint_pool
+
+    async def execute(self, run_id: uuid.UUID) -> str:
+        """Execute a run. Returns what happened: skipped, completed, failed or
+        lease_lost (then the worker changed nothing)."""
+        token = uuid.uuid4()
+        lease = self.settings.lease_seconds
+        run = await runs.start_run(self.pool, run_id, token, lease)
+        if run is None:
+            return "skipped"
+        work = asyncio.create_task(self._run_graph(run, token))
+        keeper = asyncio.create_task(self._keep_lease(run_id, token))
+        try:
+            await asyncio.wait({work, keeper}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():  # the lease was lost: stop, write nothing
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+                return "lease_lost"
+            keeper.cancel()
+            try:
+                output = work.result()
+            except LeaseLost:
+                return "lease_lost"
+            except Exception as exc:
+                log.info("run %s failed: %s", run_id, exc)
+                await runs.fail(self.pool, run_id, token, f"{type(exc).__name__}: {exc}")
+                return "failed"
+            await runs.complete(self.pool, run_id, token, output)
+            return "completed"
+        except LeaseLost:
+            return "lease_lost"
+        finally:
+            for task in (work, keeper):
+                task.cancel()
+
+    async def _keep_lease(self, run_id: uuid.UUID, token: uuid.UUID) -> None:
+        """Heartbeat until the lease is lost (then return)."""
+        interval = self.settings.lease_seconds / 3
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                if not await runs.heartbeat(self.pool, run_id, token, self.settings.lease_seconds):
+                    log.warning("run %s lost its lease", run_id)
+                    return
+            except Exception:  # a transient database error: try again
+                log.exception("heartbeat of run %s failed", run_id)
+
+    async def _run_graph(self, run: dict[str, Any], token: uuid.UUID) -> dict[str, Any]:
+        config = run["config"]
+        session = {"id": str(run["session_id"]), "name": run["session_name"],
+                   "path": run["session_path"],
+                   "parent_id": str(run["session_parent_id"] or "") or None,
+                   "tree_id": str(run["tree_id"])}
+        model = build_chat_model(config["model"], config,
+                                 approval_mode=config.get("approval_mode", "auto"),
+                                 session=session)
+        preamble = [identity_message(run)]
+        if config.get("system_prompt"):
+            preamble.append(SystemMessage(content=config["system_prompt"], id="system"))
+        tools = {name: BUILTIN_TOOLS[name] for name in config.get("tools", [])
+                 if name in BUILTIN_TOOLS}
+        reporter = EventReporter(self.pool, run["id"], token, run["turn_id"])
+        graph = build_graph(model, tools, reporter, preamble=preamble,
+                            checkpointer=FencedSaver(self.checkpoint_pool, run["id"], token))
+        cfg = {"configurable": {"thread_id": str(run["session_id"])},
+               "recursion_limit": 2 * int(config.get("max_steps", 25)) + 2}
+        return await drive(graph, cfg, run)

@@ -1,0 +1,83 @@
+"""The agent graph: a model node and one `tool` task per tool call.
+
+The model node's next step depends only on the checkpointed messages (plus the
+run's frozen config), so a resumed or re-executed run behaves identically.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Protocol, TypedDict
+
+from langchain_core.language_models import BaseChatModel
+from langchain_core.messages import AIMessage, AnyMessage, SystemMessage, ToolMessage
+from langgraph.checkpoint.base import BaseCheckpointSaver
+from langgraph.graph import END, START, StateGraph
+from langgraph.graph.message import add_messages
+from langgraph.types import Send
+
+from yuxi.runtime.tools import ToolFn, call_tool
+
+
+class AgentState(TypedDict):
+    messages: Annotated[list[AnyMessage], add_messages]
+
+
+class ToolCallState(TypedDict):
+    call: dict[str, Any]
+
+
+class RunReporter(Protocol):
+    """Receives what the graph does, to record it as events."""
+
+    async def message(self, message: AIMessage) -> None: ...
+    async def tool_started(self, call: dict[str, Any]) -> None: ...
+    async def tool_finished(self, call: dict[str, Any], result: str) -> None: ...
+
+
+def tool_message_id(call_id: str) -> str:
+    # Fixed ids: an uncommitted ToolMessage without one gets a new random id on
+    # every read, and a replayed call must replace, never duplicate.
+    return f"tool:{call_id}"
+
+
+def build_graph(
+    model: BaseChatModel,
+    tools: dict[str, ToolFn],
+    reporter: RunReporter,
+    *,
+    preamble: list[SystemMessage],
+    checkpointer: BaseCheckpointSaver | None,
+):
+    """Compile the graph of one run. `preamble` (identity, system prompt) is
+    prepended to every model call and never stored in the conversation."""
+    bound = model.bind_tools(list(tools)) if tools else model
+
+    async def call_model(state: AgentState) -> dict[str, Any]:
+        answer = await bound.ainvoke([*preamble, *state["messages"]])
+        await reporter.message(answer)
+        return {"messages": [answer]}
+
+    def route(state: AgentState) -> Any:
+        last = state["messages"][-1]
+        if isinstance(last, AIMessage) and last.tool_calls:
+            return [Send("tool", {"call": call}) for call in last.tool_calls]
+        return END
+
+    async def run_tool(state: ToolCallState) -> dict[str, Any]:
+        call = state["call"]
+        await reporter.tool_started(call)
+        result = await call_tool(tools, call["name"], call.get("args") or {})
+        await reporter.tool_finished(call, result)
+        message = ToolMessage(
+            content=result, tool_call_id=call["id"], name=call["name"],
+            id=tool_message_id(call["id"]),
+        )
+        return {"messages": [message]}
+
+    graph = StateGraph(AgentState)
+    graph.add_node("model", call_model)
+    graph.add_node("tool", run_tool)
+    graph.add_edge(START, "model")
+    graph.add_conditional_edges("model", route, ["tool", END])
+    graph.add_edge("tool", "model")
+    return graph.compile(checkpointer=checkpointer)

@@ -1,0 +1,1 @@
+"""Services: each public function is one unit of work (one transaction)."""

@@ -1,0 +1,81 @@
+"""Worker-side transitions of runs. Each call is one transaction, fenced by the
+run's lease token where the worker acts on a run it executes."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from typing import Any
+
+from psycopg.types.json import Jsonb
+from psycopg_pool import AsyncConnectionPool
+
+from yuxi import db
+
+
+async def start_run(
+    pool: AsyncConnectionPool, run_id: uuid.UUID, token: uuid.UUID, lease_seconds: float
+) -> dict[str, Any] | None:
+    """Take the lease of a ready run; None when the run is not ready (a stale
+    or duplicate job)."""
+    async with pool.connection() as conn:
+        return await db.fetch_one(
+            conn, "start_run",
+            {"run_id": run_id, "token": token, "lease_seconds": lease_seconds},
+        )
+
+
+async def heartbeat(
+    pool: AsyncConnectionPool, run_id: uuid.UUID, token: uuid.UUID, lease_seconds: float
+) -> bool:
+    async with pool.connection() as conn:
+        row = await db.fetch_one(
+            conn, "heartbeat_run",
+            {"run_id": run_id, "token": token, "lease_seconds": lease_seconds},
+        )
+    return bool(row["held"])
+
+
+async def emit(
+    pool: AsyncConnectionPool, run_id: uuid.UUID, token: uuid.UUID,
+    type_: str, data: dict[str, Any], dedupe_key: str | None,
+) -> int | None:
+    async with pool.connection() as conn:
+        row = await db.fetch_one(
+            conn, "emit_run_event",
+            {"run_id": run_id, "token": token, "type": type_, "data": Jsonb(data),
+             "dedupe_key": dedupe_key},
+        )
+    return row["seq"]
+
+
+async def complete(
+    pool: AsyncConnectionPool, run_id: uuid.UUID, token: uuid.UUID, output: dict[str, Any]
+) -> None:
+    async with pool.connection() as conn:
+        await db.execute(
+            conn, "complete_run", {"run_id": run_id, "token": token, "output": Jsonb(output)})
+
+
+async def fail(pool: AsyncConnectionPool, run_id: uuid.UUID, token: uuid.UUID, error: str) -> None:
+    async with pool.connection() as conn:
+        await db.execute(conn, "fail_run", {"run_id": run_id, "token": token, "error": error})
+
+
+async def recover_expired(pool: AsyncConnectionPool, max_attempts: int) -> list[uuid.UUID]:
+    """Recover every run whose lease expired, one transaction per run (each
+    takes its own tree lock). Returns the runs recovered."""
+    async with pool.connection() as conn:
+        expired = [r["id"] for r in await db.fetch_all(conn, "expired_runs")]
+        for run_id in expired:
+            await db.fetch_one(
+                conn, "recover_run", {"run_id": run_id, "max_attempts": max_attempts})
+    return expired
+
+
+async def redeliver_ready(pool: AsyncConnectionPool, older_than: dt.timedelta) -> list[uuid.UUID]:
+    """Re-defer jobs of ready runs that have none (lost between commit and
+    pickup, or their worker died before taking the lease)."""
+    async with pool.connection() as conn:
+        rows = await db.fetch_all(conn, "redeliver_ready_runs", {"older_than": older_than})
+    return [r["run_id"] for r in rows]

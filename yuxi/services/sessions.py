@@ -1,0 +1,209 @@
+"""Sessions, inputs, turns and their results: what API clients call."""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import uuid
+from typing import Any
+
+from psycopg.types.json import Jsonb
+from psycopg_pool import AsyncConnectionPool
+
+from yuxi import db
+from yuxi.domain import Input, Receipt, Run, Scope, Session, Turn, TurnResult, from_row
+from yuxi.errors import InvalidRequest, NotFound
+from yuxi.runtime.models import UnknownModelError, check_model_name
+from yuxi.services.accounts import get_agent
+
+APPROVAL_MODES = ("auto", "confirm")
+
+# Schema defaults of a session config; the Agent's config and explicit values
+# are laid over them at creation and frozen in the session.
+CONFIG_DEFAULTS: dict[str, Any] = {
+    "approval_mode": "auto",
+    "system_prompt": "",
+    "tools": [],
+    "max_steps": 25,
+}
+
+
+def _field_error(field: str, message: str, code: str = "invalid_request") -> InvalidRequest:
+    err = InvalidRequest(f"{field}: {message}", errors=[{"field": field, "message": message}])
+    err.code = code
+    return err
+
+
+def _checked_model(name: str, field: str = "model") -> str:
+    try:
+        return check_model_name(name)
+    except UnknownModelError as exc:
+        raise _field_error(field, str(exc), code="unknown_model") from exc
+
+
+def _checked_approval(mode: str, field: str = "approval_mode") -> str:
+    if mode not in APPROVAL_MODES:
+        raise _field_error(field, f"must be one of {', '.join(APPROVAL_MODES)}")
+    return mode
+
+
+async def create_session(
+    pool: AsyncConnectionPool,
+    scope: Scope,
+    *,
+    agent_id: uuid.UUID,
+    default_model: str,
+    title: str | None = None,
+    model: str | None = None,
+    approval_mode: str | None = None,
+) -> Session:
+    """A root session whose config is the Agent's, resolved and frozen now:
+    later changes to the Agent or the system default never reach it."""
+    agent = await get_agent(pool, scope, agent_id)
+    config = {**CONFIG_DEFAULTS, **agent.config}
+    config["model"] = _checked_model(model or agent.config.get("model") or default_model)
+    config["approval_mode"] = _checked_approval(approval_mode or config["approval_mode"])
+    async with pool.connection() as conn:
+        row = await db.fetch_one(
+            conn,
+            "create_root_session",
+            {**scope.params(), "agent_id": agent.id, "title": title, "config": Jsonb(config)},
+        )
+    return await get_session(pool, scope, row["id"])
+
+
+async def get_session(pool: AsyncConnectionPool, scope: Scope, session_id: uuid.UUID) -> Session:
+    async with pool.connection() as conn:
+        row = await db.fetch_one(conn, "get_session", {**scope.params(), "id": session_id})
+    if row is None:
+        raise NotFound(f"session {session_id} not found", session_id=session_id)
+    return Session.from_row(row)
+
+
+def _encode_cursor(created_at: dt.datetime, id_: uuid.UUID) -> str:
+    raw = f"{created_at.isoformat()}|{id_}".encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _decode_cursor(cursor: str) -> tuple[dt.datetime, uuid.UUID]:
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        created, _, id_ = raw.partition("|")
+        return dt.datetime.fromisoformat(created), uuid.UUID(id_)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise _field_error("cursor", "is not a cursor returned by this API") from exc
+
+
+async def list_sessions(
+    pool: AsyncConnectionPool, scope: Scope, *, limit: int = 50, cursor: str | None = None
+) -> tuple[list[Session], str | None]:
+    """Top-level sessions, newest first, keyset-paginated."""
+    if not 1 <= limit <= 200:
+        raise _field_error("limit", "must be between 1 and 200")
+    after_created, after_id = _decode_cursor(cursor) if cursor else (None, None)
+    async with pool.connection() as conn:
+        rows = await db.fetch_all(
+            conn,
+            "list_root_sessions",
+            {**scope.params(), "after_created": after_created, "after_id": after_id,
+             "limit": limit + 1},
+        )
+    items = [Session.from_row(r) for r in rows[:limit]]
+    next_cursor = _encode_cursor(rows[limit - 1]["created_at"], rows[limit - 1]["id"]) \
+        if len(rows) > limit else None
+    return items, next_cursor
+
+
+async def update_session(
+    pool: AsyncConnectionPool, scope: Scope, session_id: uuid.UUID, changes: dict[str, Any]
+) -> Session:
+    """Change title, model or approval mode; only inputs received later see it."""
+    checked: dict[str, Any] = {}
+    for field, value in changes.items():
+        if field not in ("title", "model", "approval_mode"):
+            raise _field_error(field, "cannot be changed")
+        if value is None:
+            raise _field_error(field, "must not be null")
+        if field == "model":
+            value = _checked_model(value)
+        elif field == "approval_mode":
+            value = _checked_approval(value)
+        checked[field] = value
+    async with pool.connection() as conn:
+        await db.fetch_one(
+            conn, "update_session",
+            {**scope.params(), "id": session_id, "changes": Jsonb(checked)},
+        )
+    return await get_session(pool, scope, session_id)
+
+
+async def receive_input(
+    pool: AsyncConnectionPool,
+    scope: Scope,
+    session_id: uuid.UUID,
+    *,
+    content: str,
+    mode: str = "steer",
+    model: str | None = None,
+    approval_mode: str | None = None,
+    client_request_id: str | None = None,
+) -> Receipt:
+    """Durably receive an input; the same client_request_id returns the same
+    receipt and creates nothing."""
+    if not content.strip():
+        raise _field_error("content", "must not be blank")
+    if mode not in ("steer", "queue"):
+        raise _field_error("mode", "must be steer or queue")
+    if client_request_id is not None and not client_request_id.strip():
+        raise _field_error("client_request_id", "must not be blank")
+    overrides: dict[str, Any] = {}
+    if model is not None:
+        overrides["model"] = _checked_model(model)
+    if approval_mode is not None:
+        overrides["approval_mode"] = _checked_approval(approval_mode)
+    async with db.transaction(pool) as conn:
+        row = await db.fetch_one(
+            conn,
+            "receive_input",
+            {**scope.params(), "session_id": session_id, "content": content, "mode": mode,
+             "overrides": Jsonb(overrides), "client_request_id": client_request_id},
+        )
+        info = await db.fetch_one(conn, "get_input", {**scope.params(), "id": row["input_id"]})
+    return Receipt(
+        input_id=info["id"], session_id=info["session_id"], status=info["status"],
+        turn_id=info["turn_id"], mode=info["mode"], position=info["position"],
+    )
+
+
+async def get_input(pool: AsyncConnectionPool, scope: Scope, input_id: uuid.UUID) -> Input:
+    async with pool.connection() as conn:
+        row = await db.fetch_one(conn, "get_input", {**scope.params(), "id": input_id})
+    if row is None:
+        raise NotFound(f"input {input_id} not found", input_id=input_id)
+    return from_row(Input, row)
+
+
+async def list_turns(pool: AsyncConnectionPool, scope: Scope, session_id: uuid.UUID) -> list[Turn]:
+    await get_session(pool, scope, session_id)
+    async with pool.connection() as conn:
+        rows = await db.fetch_all(
+            conn, "list_turns", {**scope.params(), "session_id": session_id})
+    return [from_row(Turn, r) for r in rows]
+
+
+async def get_turn(pool: AsyncConnectionPool, scope: Scope, turn_id: uuid.UUID) -> Turn:
+    async with pool.connection() as conn:
+        row = await db.fetch_one(conn, "get_turn", {**scope.params(), "id": turn_id})
+        if row is None:
+            raise NotFound(f"turn {turn_id} not found", turn_id=turn_id)
+        runs = await db.fetch_all(conn, "runs_of_turn", {"turn_id": turn_id})
+    return from_row(Turn, {**row, "runs": [from_row(Run, r) for r in runs]})
+
+
+async def get_result(pool: AsyncConnectionPool, scope: Scope, turn_id: uuid.UUID) -> TurnResult:
+    """The exact result of a turn, read through its result_run_id."""
+    async with pool.connection() as conn:
+        row = await db.fetch_one(conn, "turn_result", {**scope.params(), "id": turn_id})
+    if row is None:
+        raise NotFound(f"turn {turn_id} not found", turn_id=turn_id)
+    return from_row(TurnResult, row)

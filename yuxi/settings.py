@@ -1,0 +1,45 @@
+"""Settings read from the environment; every process reads the same ones."""
+
+from __future__ import annotations
+
+import os
+
+import msgspec
+
+DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/yuxi"
+
+
+class Settings(msgspec.Struct, frozen=True):
+    database_url: str = DEFAULT_DATABASE_URL
+    # True when YUXI_DATABASE_URL was set: then no embedded server is started.
+    database_url_explicit: bool = False
+    host: str = "127.0.0.1"
+    port: int = 8000
+    default_model: str = "replay"
+    # Lease of an executing run; the worker heartbeats at a third of it.
+    lease_seconds: float = 30.0
+    # Runs of one turn before a lost lease fails the turn for good.
+    max_run_attempts: int = 3
+    # SSE keepalive comment interval.
+    sse_keepalive_seconds: float = 15.0
+    # Concurrent runs one worker process executes.
+    worker_concurrency: int = 16
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> Settings:
+        env = os.environ if env is None else env
+        url = env.get("YUXI_DATABASE_URL")
+        try:
+            return cls(
+                database_url=url or DEFAULT_DATABASE_URL,
+                database_url_explicit=bool(url),
+                host=env.get("YUXI_HOST", "127.0.0.1"),
+                port=int(env.get("YUXI_PORT", "8000")),
+                default_model=env.get("YUXI_DEFAULT_MODEL", "replay"),
+                lease_seconds=float(env.get("YUXI_LEASE_SECONDS", "30")),
+                max_run_attempts=int(env.get("YUXI_MAX_RUN_ATTEMPTS", "3")),
+                sse_keepalive_seconds=float(env.get("YUXI_SSE_KEEPALIVE_SECONDS", "15")),
+                worker_concurrency=int(env.get("YUXI_WORKER_CONCURRENCY", "16")),
+            )
+        except ValueError as exc:
+            raise SystemExit(f"yuxi: invalid setting: {exc}") from None
