@@ -1,0 +1,59 @@
+"""The Litestar application: `create_app()` is the ASGI factory
+(`uvicorn --factory yuxi.api.app:create_app`, or `yuxi serve`)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from litestar import Litestar
+from litestar.di import Provide
+from litestar.openapi import OpenAPIConfig
+from litestar.plugins.jinja import JinjaTemplateEngine
+from litestar.static_files import create_static_files_router
+from litestar.template import TemplateConfig
+
+from yuxi import __version__, db
+from yuxi.api import errors, events, health, routes
+from yuxi.api.auth import provide_scope
+from yuxi.api.hub import EventHub
+from yuxi.settings import Settings
+
+WEB_DIR = Path(__file__).resolve().parents[2] / "web"
+
+
+def create_app(settings: Settings | None = None) -> Litestar:
+    settings = settings or Settings.from_env()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        pool = db.app_pool(settings.database_url)
+        checkpoint_pool = db.checkpoint_pool(settings.database_url, max_size=4)
+        hub = EventHub(settings.database_url)
+        await pool.open()
+        await checkpoint_pool.open()
+        await hub.start()
+        app.state.update(settings=settings, pool=pool, checkpoint_pool=checkpoint_pool, hub=hub)
+        try:
+            yield
+        finally:
+            await hub.stop()
+            await checkpoint_pool.close()
+            await pool.close()
+
+    return Litestar(
+        route_handlers=[
+            routes.AgentController, routes.SessionController, routes.InputController,
+            routes.TurnController, events.stream_events, health.healthz, health.readyz,
+            health.status_page,
+            create_static_files_router(path="/static", directories=[WEB_DIR / "static"],
+                                       include_in_schema=False),
+        ],
+        dependencies={"caller": Provide(provide_scope)},
+        exception_handlers=errors.HANDLERS,
+        lifespan=[lifespan],
+        template_config=TemplateConfig(directory=WEB_DIR / "templates",
+                                       engine=JinjaTemplateEngine),
+        openapi_config=OpenAPIConfig(title="Yuxi sessions", version=__version__, path="/schema"),
+    )

@@ -1,0 +1,58 @@
+"""The one place that maps domain errors to HTTP responses.
+
+Every error body is `{"code": <machine-readable>, "message": <text>, "errors":
+[...field errors...]}`.
+"""
+
+from __future__ import annotations
+
+from litestar import MediaType, Request, Response
+from litestar.exceptions import HTTPException, ValidationException
+
+from yuxi import errors
+
+STATUS: dict[type[errors.YuxiError], int] = {
+    errors.NotFound: 404,
+    errors.InvalidRequest: 422,
+    errors.IllegalTransition: 409,
+    errors.Conflict: 409,
+    errors.LeaseLost: 409,
+    errors.DatabaseUnavailable: 503,
+}
+
+HTTP_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
+              405: "method_not_allowed", 409: "conflict", 422: "validation_error",
+              429: "too_many_requests", 500: "internal_error", 503: "unavailable"}
+
+
+def _body(code: str, message: str, field_errors: list | None = None) -> dict:
+    return {"code": code, "message": message, "errors": field_errors or []}
+
+
+def domain_error(_: Request, exc: errors.YuxiError) -> Response:
+    status = next((s for cls, s in STATUS.items() if isinstance(exc, cls)), 500)
+    return Response(_body(exc.code, exc.message, getattr(exc, "errors", None)),
+                    status_code=status, media_type=MediaType.JSON)
+
+
+def validation_error(_: Request, exc: ValidationException) -> Response:
+    extra = exc.extra if isinstance(exc.extra, list) else []
+    field_errors = [
+        {"field": e.get("key"), "message": e.get("message"), "source": e.get("source")}
+        for e in extra if isinstance(e, dict)
+    ]
+    return Response(_body("validation_error", exc.detail, field_errors),
+                    status_code=422, media_type=MediaType.JSON)
+
+
+def http_error(_: Request, exc: HTTPException) -> Response:
+    return Response(_body(HTTP_CODES.get(exc.status_code, "error"), exc.detail),
+                    status_code=exc.status_code, media_type=MediaType.JSON,
+                    headers=exc.headers)
+
+
+HANDLERS = {
+    errors.YuxiError: domain_error,
+    ValidationException: validation_error,
+    HTTPException: http_error,
+}

@@ -1,0 +1,60 @@
+"""Health endpoints and the status page at `/`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar import Request, get
+from litestar.response import Response, Template
+
+from yuxi import __version__, db
+
+WORKER_FRESH_SECONDS = 30
+
+
+async def _worker_count(request: Request) -> int:
+    async with request.app.state.pool.connection() as conn:
+        row = await db.fetch_one(conn, "fresh_workers", {"seconds": WORKER_FRESH_SECONDS})
+    return int(row["n"])
+
+
+@get("/api/healthz", operation_id="healthz", tags=["health"])
+async def healthz() -> dict[str, str]:
+    """The process answers."""
+    return {"status": "ok"}
+
+
+@get("/api/readyz", operation_id="readyz", tags=["health"])
+async def readyz(request: Request) -> Response[dict[str, Any]]:
+    """The database answers and at least one worker heartbeat is fresh."""
+    try:
+        workers = await _worker_count(request)
+        database = True
+    except Exception:
+        workers, database = 0, False
+    ready = database and workers > 0
+    return Response(
+        {"status": "ready" if ready else "not_ready", "database": database, "workers": workers,
+         "listener": request.app.state.hub.connected},
+        status_code=200 if ready else 503,
+    )
+
+
+@get("/", operation_id="statusPage", include_in_schema=False)
+async def status_page(request: Request) -> Template:
+    counts: dict[str, dict[str, int]] = {"sessions": {}, "turns": {}, "runs": {}}
+    error = None
+    workers = 0
+    try:
+        async with request.app.state.pool.connection() as conn:
+            for row in await db.fetch_all(conn, "status_counts"):
+                counts[row["kind"]][row["status"]] = int(row["n"])
+        workers = await _worker_count(request)
+    except Exception as exc:
+        error = str(exc)
+    return Template(
+        template_name="status.html",
+        context={"version": __version__, "database_ok": error is None, "error": error,
+                 "workers": workers, "counts": counts,
+                 "listener": request.app.state.hub.connected},
+    )

