@@ -1,0 +1,389 @@
+"""The `yuxi` command: database setup, keys and agents, the API, the worker,
+and `yuxi dev` (everything at once, what `make run` calls).
+
+Operator mistakes (a wrong URL, a server that is down, a schema of another
+version) end as one `yuxi: error: ...` line and exit code 1, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from yuxi import db, pgserver, schema
+from yuxi.errors import SchemaVersionMismatch, YuxiError
+from yuxi.settings import Settings
+
+API_FACTORY = "yuxi.api.app:create_app"
+WORKER_APP = "workers.app.app"
+DEFAULT_DATA_DIR = Path(".yuxi") / "pgdata"
+
+
+# --------------------------------------------------------------------------
+# Commands
+
+
+def cmd_db_init(args: argparse.Namespace, settings: Settings) -> int:
+    async def init() -> str:
+        await pgserver.check_server_async(settings.database_url)
+        await schema.ensure_database(settings.database_url)
+        return await schema.apply_schema(settings.database_url)
+
+    outcome = asyncio.run(init())
+    print("schema created" if outcome == "created" else "schema up to date")
+    return 0
+
+
+def cmd_keys_create(args: argparse.Namespace, settings: Settings) -> int:
+    from yuxi.services import accounts
+
+    async def create() -> str:
+        async with _schema_pool(settings.database_url) as pool:
+            key, _ = await accounts.create_key(pool, args.user, args.app)
+            return key
+
+    # Only the key on stdout, so `KEY=$(yuxi keys create ...)` works.
+    print(asyncio.run(create()))
+    return 0
+
+
+def cmd_agents_create(args: argparse.Namespace, settings: Settings) -> int:
+    from yuxi.services import accounts
+
+    async def create() -> str:
+        async with _schema_pool(settings.database_url) as pool:
+            scope = await _ensure_scope(pool, args.user, args.app)
+            agent = await accounts.create_agent(
+                pool, scope, args.name, args.config, replace=args.replace
+            )
+            return str(agent.id)
+
+    print(asyncio.run(create()))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
+    import uvicorn
+
+    # Fail fast with one line rather than with the app's startup traceback.
+    pgserver.check_server(settings.database_url)
+    uvicorn.run(API_FACTORY, factory=True, host=args.host or settings.host,
+                port=args.port or settings.port, log_level="info")
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
+    pgserver.check_server(settings.database_url)
+    argv = worker_command(args.extra)
+    os.execv(argv[0], argv)  # replaces this process: signals reach the worker directly
+
+
+def cmd_dev(args: argparse.Namespace, settings: Settings) -> int:
+    return run_dev(settings, Path(args.data_dir))
+
+
+# --------------------------------------------------------------------------
+# Helpers
+
+
+def worker_command(extra: list[str]) -> list[str]:
+    """`procrastinate --app=workers.app.app worker ...` with this interpreter,
+    so the worker sees the same environment whatever is on PATH."""
+    return [sys.executable, "-m", "procrastinate", f"--app={WORKER_APP}", "worker", *extra]
+
+
+def api_command(host: str, port: int) -> list[str]:
+    return [sys.executable, "-m", "uvicorn", "--factory", API_FACTORY,
+            "--host", host, "--port", str(port)]
+
+
+class _schema_pool:
+    """A small pool on a database that has our schema; a missing or foreign
+    schema is an operator error with a clear next step, not an SQL error."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.pool = db.app_pool(url, min_size=1, max_size=2)
+
+    async def __aenter__(self):
+        await pgserver.check_server_async(self.url)
+        async with await psycopg.AsyncConnection.connect(self.url, connect_timeout=5) as conn:
+            version = await schema.installed_version(conn)
+        if version is None:
+            raise YuxiError("the database has no yuxi schema: run `yuxi db init` first")
+        if version != schema.SCHEMA_VERSION:
+            raise SchemaVersionMismatch(
+                f"the database has yuxi schema version {version}, "
+                f"this code needs version {schema.SCHEMA_VERSION}"
+            )
+        await self.pool.open(wait=True, timeout=10)
+        return self.pool
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.pool.close()
+
+
+async def _ensure_scope(pool, user: str, app: str):
+    """The (user, app) scope, created if missing, without minting a key."""
+    from yuxi.domain import Scope
+    from yuxi.errors import InvalidRequest
+
+    if not user.strip() or not app.strip():
+        raise InvalidRequest("user and app names must not be blank")
+    async with db.transaction(pool) as conn:
+        user_id = (await db.fetch_one(conn, "ensure_user", {"name": user}))["id"]
+        app_id = (await db.fetch_one(conn, "ensure_app", {"name": app}))["id"]
+    return Scope(user_id=user_id, app_id=app_id)
+
+
+def _json_config(value: str) -> dict[str, Any]:
+    """`--config`: inline JSON, or @path to a JSON file."""
+    try:
+        text = Path(value[1:]).read_text() if value.startswith("@") else value
+        config = json.loads(text)
+    except (OSError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"not JSON or an @file of JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise argparse.ArgumentTypeError("the agent config must be a JSON object")
+    return config
+
+
+def one_line(exc: BaseException) -> str:
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    return text or type(exc).__name__
+
+
+# --------------------------------------------------------------------------
+# yuxi dev: one command from a clone to a running system
+
+# Answers "hello ..." by calling the echo tool, anything else by echoing back.
+DEMO_AGENT: dict[str, Any] = {
+    "model": "replay",
+    "tools": ["echo"],
+    "replay": {
+        "rules": [{
+            "match": "(?i)hello",
+            "steps": [
+                {"call": [{"tool": "echo", "args": {"text": "{{ input }}"}}]},
+                {"say": "echo said: {{ last.text }}"},
+            ],
+        }],
+        "default": [
+            {"say": "You said: {{ input }} (session {{ session.path }}, model {{ model }})"},
+        ],
+    },
+}
+
+STOP_GRACE_SECONDS = 10.0
+
+
+def run_dev(settings: Settings, data_dir: Path) -> int:
+    if _listening(settings.host, settings.port):
+        raise YuxiError(f"{settings.host}:{settings.port} is already in use; "
+                        "set YUXI_PORT to another port")
+    url, server, key, agent_id = asyncio.run(_prepare_dev(settings, data_dir))
+    try:
+        return _supervise(settings, url, server is not None, key, agent_id)
+    finally:
+        pgserver.stop_server(server)
+
+
+async def _prepare_dev(settings: Settings, data_dir: Path):
+    from yuxi.services import accounts
+
+    url, server = await pgserver.ensure_server(settings, data_dir)
+    try:
+        await schema.ensure_database(url)
+        await schema.apply_schema(url)
+        async with _schema_pool(url) as pool:
+            # A new key every run: keys are stored hashed, an old one cannot be shown.
+            key, scope = await accounts.create_key(pool, "demo", "demo")
+            agent = await accounts.create_agent(pool, scope, "demo", DEMO_AGENT, replace=True)
+    except BaseException:
+        pgserver.stop_server(server)
+        raise
+    return url, server, key, agent.id
+
+
+def _supervise(settings: Settings, url: str, embedded: bool, key: str, agent_id) -> int:
+    """Run the API and one worker until a signal (exit 0) or until either dies
+    (stop the other, exit 1)."""
+    stop_signals: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, _frame: stop_signals.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    env = {**os.environ, "YUXI_DATABASE_URL": url}
+    children: dict[str, subprocess.Popen] = {}
+    try:
+        # Own sessions: a terminal Ctrl-C reaches only us, and each child gets
+        # exactly one SIGTERM (a second signal makes both abort their work).
+        children["API"] = subprocess.Popen(
+            api_command(settings.host, settings.port), env=env, start_new_session=True)
+        children["worker"] = subprocess.Popen(
+            worker_command([]), env=env, start_new_session=True)
+        banner_after = time.monotonic() + 30
+        banner_shown = False
+        while not stop_signals:
+            for name, child in children.items():
+                if child.poll() is not None:
+                    print(f"yuxi: error: the {name} process exited with code "
+                          f"{child.returncode}; stopping", file=sys.stderr)
+                    return 1
+            # Shown once the API listens, so it is not buried in startup logs.
+            if not banner_shown and (_listening(settings.host, settings.port)
+                                     or time.monotonic() > banner_after):
+                print(_banner(settings, url, embedded, key, agent_id), flush=True)
+                banner_shown = True
+            time.sleep(0.2)
+        print("yuxi: stopping", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        _terminate(list(children.values()))
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _terminate(children: list[subprocess.Popen]) -> None:
+    for child in children:
+        if child.poll() is None:
+            child.terminate()
+    deadline = time.monotonic() + STOP_GRACE_SECONDS
+    for child in children:
+        try:
+            child.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
+def _client_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+def _listening(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((_client_host(host), port), timeout=0.5).close()
+    except OSError:
+        return False
+    return True
+
+
+def _display_url(url: str) -> str:
+    """The database URL without its password."""
+    return re.sub(r"(://[^:/@]*:)[^@/]+@", r"\1***@", url)
+
+
+def _banner(settings: Settings, url: str, embedded: bool, key: str, agent_id) -> str:
+    base = f"http://{_client_host(settings.host)}:{settings.port}"
+    auth = '-H "Authorization: Bearer $KEY"'
+    json_type = "-H 'Content-Type: application/json'"
+    field = "python3 -c 'import json,sys; print(json.load(sys.stdin)[\"{}\"])'"
+    where = " (embedded server)" if embedded else ""
+    return f"""
+Yuxi sessions is running (Ctrl-C stops it).
+  API       {base}
+  database  {_display_url(url)}{where}
+  API key   {key}
+  agent     demo {agent_id}
+
+Try it:
+  export YUXI={base} KEY={key} AGENT={agent_id}
+  SID=$(curl -s -X POST "$YUXI/api/sessions" {auth} {json_type} \\
+        -d "{{\\"agent_id\\": \\"$AGENT\\"}}" | {field.format("id")})
+  TURN=$(curl -s -X POST "$YUXI/api/sessions/$SID/inputs" {auth} {json_type} \\
+        -d '{{"content": "hello world"}}' | {field.format("turn_id")})
+  curl -sN "$YUXI/api/sessions/$SID/events" {auth}   # SSE; Ctrl-C to stop following
+  curl -s "$YUXI/api/turns/$TURN/result" {auth}
+"""
+
+
+# --------------------------------------------------------------------------
+# Parser and entry point
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="yuxi",
+        description="Yuxi sessions: durable LLM agent sessions on PostgreSQL. "
+        "The database is YUXI_DATABASE_URL (default "
+        "postgresql://postgres@127.0.0.1:5432/yuxi).",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    db_parser = commands.add_parser("db", help="database setup")
+    db_commands = db_parser.add_subparsers(dest="db_command", required=True, metavar="COMMAND")
+    db_commands.add_parser(
+        "init", help="create the database if missing and install the schema"
+    ).set_defaults(func=cmd_db_init)
+
+    keys = commands.add_parser("keys", help="API keys")
+    keys_commands = keys.add_subparsers(dest="keys_command", required=True, metavar="COMMAND")
+    create_key = keys_commands.add_parser(
+        "create", help="create a key (and its user and app if needed); prints only the key"
+    )
+    create_key.add_argument("--user", required=True)
+    create_key.add_argument("--app", required=True)
+    create_key.set_defaults(func=cmd_keys_create)
+
+    agents = commands.add_parser("agents", help="agents")
+    agents_commands = agents.add_subparsers(dest="agents_command", required=True,
+                                            metavar="COMMAND")
+    create_agent = agents_commands.add_parser("create", help="create an agent; prints its id")
+    create_agent.add_argument("--user", required=True)
+    create_agent.add_argument("--app", required=True)
+    create_agent.add_argument("--name", required=True)
+    create_agent.add_argument("--config", required=True, type=_json_config,
+                              help="agent config as JSON, or @FILE")
+    create_agent.add_argument("--replace", action="store_true",
+                              help="replace the config of an existing agent of that name")
+    create_agent.set_defaults(func=cmd_agents_create)
+
+    serve = commands.add_parser("serve", help="run the HTTP API (uvicorn)")
+    serve.add_argument("--host", help="default: YUXI_HOST or 127.0.0.1")
+    serve.add_argument("--port", type=int, help="default: YUXI_PORT or 8000")
+    serve.set_defaults(func=cmd_serve)
+
+    commands.add_parser(
+        "worker", help="run a Procrastinate worker; other arguments (e.g. --concurrency N) "
+        "are passed to `procrastinate worker`",
+    ).set_defaults(func=cmd_worker, passes_extra=True)
+
+    dev = commands.add_parser(
+        "dev", help="set everything up and run the API and a worker (embedded PostgreSQL "
+        "if YUXI_DATABASE_URL is unset and nothing answers on the default)",
+    )
+    dev.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR),
+                     help="embedded PostgreSQL data directory (default: %(default)s)")
+    dev.set_defaults(func=cmd_dev)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "passes_extra", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra
+    try:
+        settings = Settings.from_env()
+        return args.func(args, settings)
+    except KeyboardInterrupt:
+        return 130
+    except (YuxiError, psycopg.Error, OSError) as exc:
+        print(f"yuxi: error: {one_line(exc)}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
