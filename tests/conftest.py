@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 import psycopg
+import psycopg.sql
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from pytest_postgresql import factories
@@ -34,9 +35,29 @@ def _test_server_url() -> str:
     return pgserver.start_embedded_for_tests(ROOT / ".yuxi" / "test-pgdata", url)
 
 
+def _drop_stale_test_databases(url: str, prefix: str) -> None:
+    """Databases left by killed test sessions (named after their pid)."""
+    with psycopg.connect(db.with_database(url, "postgres"), autocommit=True) as conn:
+        names = [r[0] for r in conn.execute(
+            "SELECT datname FROM pg_database WHERE datname ~ %s", (f"^{prefix}_[0-9]+(_tmpl)?$",))]
+        for name in names:
+            pid = int(name.removesuffix("_tmpl").rsplit("_", 1)[1])
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                conn.execute(psycopg.sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                    psycopg.sql.Identifier(name)))
+            except PermissionError:
+                pass
+
+
 TEST_SERVER_URL = _test_server_url()
 _params = conninfo_to_dict(TEST_SERVER_URL)
-TEST_DBNAME = _params.get("dbname") or "yuxi_test"
+# One name per pytest process, so concurrent test sessions on one server (a
+# developer's and CI's) never drop each other's template.
+_BASE_DBNAME = _params.get("dbname") or "yuxi_test"
+_drop_stale_test_databases(TEST_SERVER_URL, _BASE_DBNAME)
+TEST_DBNAME = f"{_BASE_DBNAME}_{os.getpid()}"
 
 
 def load_schema(**kwargs) -> None:

@@ -121,3 +121,13 @@ def api(start_api) -> str:
 @pytest.fixture
 def worker(start_worker):
     return start_worker()
+
+
+@pytest.fixture
+def pg(db_url: str) -> Iterator:
+    """Direct autocommit reads of this test's database (tests/e2e/helpers.Db)."""
+    from tests.e2e.helpers import Db
+
+    conn = Db(db_url)
+    yield conn
+    conn.close()

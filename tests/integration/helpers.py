@@ -1,0 +1,66 @@
+"""Shared steps of integration tests: build sessions and drive runs in-process
+with the real executor (no worker process; the jobs it would pick are in
+procrastinate_jobs all the same)."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from yuxi import db
+from yuxi.domain import Scope
+from yuxi.runtime.executor import RunExecutor
+from yuxi.services import accounts, sessions
+from yuxi.settings import Settings
+
+
+def say_agent(text: str = "echo: {{ input }}", **step: Any) -> dict[str, Any]:
+    return {"model": "replay", "replay": {"default": [{"say": text, **step}]}}
+
+
+async def new_session(pool, scope: Scope, config: dict[str, Any] | None = None,
+                      name: str | None = None):
+    agent = await accounts.create_agent(
+        pool, scope, name or f"agent-{uuid.uuid4().hex[:8]}", config or say_agent())
+    return await sessions.create_session(pool, scope, agent_id=agent.id, default_model="replay")
+
+
+def executor(pool, checkpoint_pool, **settings: Any) -> RunExecutor:
+    return RunExecutor(Settings(**settings), pool, checkpoint_pool)
+
+
+async def runs_with_status(pool, status: str, tree_id=None) -> list[uuid.UUID]:
+    async with pool.connection() as conn:
+        cur = await conn.execute(
+            "SELECT id FROM yuxi.runs WHERE status = %s AND (%s::uuid IS NULL OR tree_id = %s::uuid)"
+            " ORDER BY slot_seq", (status, tree_id, tree_id))
+        return [r["id"] for r in await cur.fetchall()]
+
+
+async def drain(pool, checkpoint_pool, **settings: Any) -> list[str]:
+    """Execute ready runs until none is left, like a worker would."""
+    ex = executor(pool, checkpoint_pool, **settings)
+    outcomes = []
+    while ready := await runs_with_status(pool, "ready"):
+        for run_id in ready:
+            outcomes.append(await ex.execute(run_id))
+    return outcomes
+
+
+async def scalar(pool, sql: str, params: Any = None) -> Any:
+    async with pool.connection() as conn:
+        cur = await conn.execute(sql, params)
+        row = await cur.fetchone()
+        return next(iter(row.values())) if row else None
+
+
+async def rows(pool, sql: str, params: Any = None) -> list[dict[str, Any]]:
+    async with pool.connection() as conn:
+        cur = await conn.execute(sql, params)
+        return await cur.fetchall()
+
+
+async def events(pool, tree_id) -> list[dict[str, Any]]:
+    async with pool.connection() as conn:
+        return await db.fetch_all(conn, "events_after", {
+            "tree_id": tree_id, "after": 0, "session_id": None, "limit": 10_000})

@@ -1,0 +1,169 @@
+"""Leases: a stale lease holder changes nothing; expired runs are recovered
+into a new run of the same turn; lost jobs are re-delivered."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import uuid
+
+import pytest
+from langchain_core.messages import HumanMessage
+
+from tests.integration.helpers import drain, executor, new_session, rows, runs_with_status, scalar, say_agent
+from yuxi.errors import LeaseLost
+from yuxi.runtime.saver import FencedSaver
+from yuxi.services import runs, sessions
+
+
+async def _running_run(pool, scope, config=None):
+    session = await new_session(pool, scope, config)
+    receipt = await sessions.receive_input(pool, scope, session.id, content="hi")
+    (run_id,) = await runs_with_status(pool, "ready")
+    token = uuid.uuid4()
+    assert await runs.start_run(pool, run_id, token, 30) is not None
+    return session, receipt, run_id, token
+
+
+async def _expire(pool, run_id):
+    await scalar(pool, "UPDATE yuxi.runs SET lease_expires_at = clock_timestamp() - interval '1 s' "
+                       "WHERE id = %s RETURNING id", (run_id,))
+
+
+async def test_start_run_takes_a_ready_run_once(pool, alice):
+    _, receipt, run_id, _ = await _running_run(pool, alice[1])
+    assert await runs.start_run(pool, run_id, uuid.uuid4(), 30) is None  # duplicate job
+
+
+async def test_holder_completes_but_a_wrong_token_cannot(pool, alice):
+    _, receipt, run_id, token = await _running_run(pool, alice[1])
+    with pytest.raises(LeaseLost):
+        await runs.complete(pool, run_id, uuid.uuid4(), {"text": "forged"})
+    with pytest.raises(LeaseLost):
+        await runs.fail(pool, run_id, uuid.uuid4(), "forged")
+    await runs.complete(pool, run_id, token, {"text": "real"})
+    assert (await sessions.get_result(pool, alice[1], receipt.turn_id)).output == {"text": "real"}
+
+
+async def test_stale_holder_after_recovery_changes_nothing(pool, alice):
+    session, receipt, run_id, token = await _running_run(pool, alice[1])
+    await _expire(pool, run_id)
+    recovered = await runs.recover_expired(pool, max_attempts=3)
+    assert recovered == [run_id]
+    (new_run,) = await runs_with_status(pool, "ready")
+    # The new run inherited the slot; the old one failed with the reason.
+    assert await scalar(pool, "SELECT run_id FROM yuxi.slot_claims") == new_run
+    old = (await rows(pool, "SELECT status, error FROM yuxi.runs WHERE id = %s", (run_id,)))[0]
+    assert old["status"] == "failed" and "lease expired" in old["error"]
+    before = await scalar(pool, "SELECT count(*) FROM yuxi.events")
+    for attempt in (runs.complete(pool, run_id, token, {"text": "stale"}),
+                    runs.fail(pool, run_id, token, "stale"),
+                    runs.emit(pool, run_id, token, "message", {}, None)):
+        with pytest.raises(LeaseLost):
+            await attempt
+    assert not await runs.heartbeat(pool, run_id, token, 30)
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.events") == before
+    assert await scalar(pool, "SELECT status FROM yuxi.turns WHERE id = %s",
+                        (receipt.turn_id,)) == "running"
+
+
+async def test_expired_but_unrecovered_lease_is_lost_too(pool, alice):
+    _, _, run_id, token = await _running_run(pool, alice[1])
+    await _expire(pool, run_id)
+    with pytest.raises(LeaseLost):
+        await runs.complete(pool, run_id, token, {"text": "late"})
+    assert not await runs.heartbeat(pool, run_id, token, 30)
+
+
+async def test_heartbeat_extends_a_held_lease(pool, alice):
+    _, _, run_id, token = await _running_run(pool, alice[1])
+    before = await scalar(pool, "SELECT lease_expires_at FROM yuxi.runs WHERE id = %s", (run_id,))
+    assert await runs.heartbeat(pool, run_id, token, 60)
+    after = await scalar(pool, "SELECT lease_expires_at FROM yuxi.runs WHERE id = %s", (run_id,))
+    assert after > before
+
+
+async def test_checkpoint_writes_are_fenced_by_the_lease(pool, checkpoint_pool, alice):
+    session, _, run_id, token = await _running_run(pool, alice[1])
+    cfg = {"configurable": {"thread_id": str(session.id), "checkpoint_ns": ""}}
+    from tests.integration.helpers import executor as _  # noqa: F401  (import check)
+    from yuxi.runtime.graph import build_graph
+    from yuxi.runtime.models import build_chat_model
+
+    class Quiet:
+        async def message(self, m): ...
+        async def tool_started(self, c): ...
+        async def tool_finished(self, c, r): ...
+
+    def graph(tok):
+        model = build_chat_model("replay", say_agent(), approval_mode="auto", session={})
+        return build_graph(model, {}, Quiet(), preamble=[],
+                           checkpointer=FencedSaver(checkpoint_pool, run_id, tok))
+
+    with pytest.raises(LeaseLost):
+        await graph(uuid.uuid4()).ainvoke({"messages": [HumanMessage("x", id="h1")]}, cfg)
+    assert await scalar(pool, "SELECT count(*) FROM langgraph.checkpoints") == 0
+    await graph(token).ainvoke({"messages": [HumanMessage("x", id="h1")]}, cfg)
+    assert await scalar(pool, "SELECT count(*) FROM langgraph.checkpoints") > 0
+
+
+async def test_recovery_gives_up_after_max_attempts(pool, checkpoint_pool, alice):
+    session, receipt, run_id, _ = await _running_run(pool, alice[1])
+    for _ in range(2):
+        await _expire(pool, run_id)
+        await runs.recover_expired(pool, max_attempts=2)
+        ready = await runs_with_status(pool, "ready")
+        if not ready:
+            break
+        run_id = ready[0]
+        assert await runs.start_run(pool, run_id, uuid.uuid4(), 30)
+    turn = (await rows(pool, "SELECT status, error, result_run_id FROM yuxi.turns WHERE id = %s",
+                       (receipt.turn_id,)))[0]
+    assert turn["status"] == "failed" and "gave up after 2 attempts" in turn["error"]
+    assert turn["result_run_id"] == run_id
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.slot_claims") == 0
+
+
+async def test_recovered_turn_continues_from_its_checkpoint(pool, checkpoint_pool, alice):
+    # Two steps: the first (a tool call) is checkpointed by the first run; the
+    # recovered run continues with the second and never redoes the first.
+    config = {"model": "replay", "tools": ["echo"], "replay": {"default": [
+        {"call": [{"tool": "echo", "args": {"text": "once"}}]}, {"say": "done {{ results|length }}"}]}}
+    session = await new_session(pool, alice[1], config)
+    receipt = await sessions.receive_input(pool, alice[1], session.id, content="go")
+    ex = executor(pool, checkpoint_pool)
+    (run_id,) = await runs_with_status(pool, "ready")
+    # Simulate a worker dying right after the tool step: run the real graph
+    # under a lease, then let the lease expire without completing.
+    token = uuid.uuid4()
+    run = await runs.start_run(pool, run_id, token, 30)
+    from yuxi.runtime import executor as exmod
+
+    graph_task = asyncio.create_task(ex._run_graph(run, token))
+    output = await graph_task
+    assert output["text"] == "done 1"
+    await _expire(pool, run_id)
+    await runs.recover_expired(pool, max_attempts=3)
+    assert await drain(pool, checkpoint_pool) == ["completed"]
+    result = await sessions.get_result(pool, alice[1], receipt.turn_id)
+    assert result.output["text"] == "done 1"
+    # One message event per AI message and one tool execution: nothing repeated.
+    counts = await rows(pool, """SELECT type, count(*) AS n FROM yuxi.events
+                                 WHERE type IN ('message', 'tool.started') GROUP BY type ORDER BY type""")
+    assert counts == [{"type": "message", "n": 2}, {"type": "tool.started", "n": 1}]
+    assert exmod  # the module under test
+
+
+async def test_lost_job_of_a_ready_run_is_redelivered(pool, alice):
+    session = await new_session(pool, alice[1])
+    await sessions.receive_input(pool, alice[1], session.id, content="hi")
+    (run_id,) = await runs_with_status(pool, "ready")
+    assert await runs.redeliver_ready(pool, dt.timedelta(0)) == []  # its job is there
+    async with pool.connection() as conn, conn.transaction():
+        # Procrastinate's triggers use unqualified names: its schema must lead.
+        await conn.execute("SET LOCAL search_path = procrastinate")
+        await conn.execute("DELETE FROM procrastinate_jobs")
+    assert await runs.redeliver_ready(pool, dt.timedelta(hours=1)) == []  # too young
+    assert await runs.redeliver_ready(pool, dt.timedelta(0)) == [run_id]
+    assert await scalar(pool, "SELECT args->>'run_id' FROM procrastinate.procrastinate_jobs "
+                              "WHERE status = 'todo'") == str(run_id)
