@@ -1,6 +1,9 @@
 """The `yuxi` command: database setup, keys and agents, the API, the worker,
 and `yuxi dev` (everything at once, what `make run` calls).
 
+Heavy modules (LangGraph via yuxi.schema, the services) are imported by the
+commands that need them, so `yuxi --help` and argument errors stay fast.
+
 Operator mistakes (a wrong URL, a server that is down, a schema of another
 version) end as one `yuxi: error: ...` line and exit code 1, never a traceback.
 """
@@ -22,7 +25,7 @@ from typing import Any
 
 import psycopg
 
-from yuxi import db, pgserver, schema
+from yuxi import db, pgserver
 from yuxi.errors import SchemaVersionMismatch, YuxiError
 from yuxi.settings import Settings
 
@@ -36,6 +39,8 @@ DEFAULT_DATA_DIR = Path(".yuxi") / "pgdata"
 
 
 def cmd_db_init(args: argparse.Namespace, settings: Settings) -> int:
+    from yuxi import schema
+
     async def init() -> str:
         await pgserver.check_server_async(settings.database_url)
         await schema.ensure_database(settings.database_url)
@@ -64,7 +69,7 @@ def cmd_agents_create(args: argparse.Namespace, settings: Settings) -> int:
 
     async def create() -> str:
         async with _schema_pool(settings.database_url) as pool:
-            scope = await _ensure_scope(pool, args.user, args.app)
+            scope = await accounts.ensure_scope(pool, args.user, args.app)
             agent = await accounts.create_agent(
                 pool, scope, args.name, args.config, replace=args.replace
             )
@@ -118,6 +123,8 @@ class _schema_pool:
         self.pool = db.app_pool(url, min_size=1, max_size=2)
 
     async def __aenter__(self):
+        from yuxi import schema
+
         await pgserver.check_server_async(self.url)
         async with await psycopg.AsyncConnection.connect(self.url, connect_timeout=5) as conn:
             version = await schema.installed_version(conn)
@@ -133,19 +140,6 @@ class _schema_pool:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.pool.close()
-
-
-async def _ensure_scope(pool, user: str, app: str):
-    """The (user, app) scope, created if missing, without minting a key."""
-    from yuxi.domain import Scope
-    from yuxi.errors import InvalidRequest
-
-    if not user.strip() or not app.strip():
-        raise InvalidRequest("user and app names must not be blank")
-    async with db.transaction(pool) as conn:
-        user_id = (await db.fetch_one(conn, "ensure_user", {"name": user}))["id"]
-        app_id = (await db.fetch_one(conn, "ensure_app", {"name": app}))["id"]
-    return Scope(user_id=user_id, app_id=app_id)
 
 
 def _json_config(value: str) -> dict[str, Any]:
@@ -201,6 +195,7 @@ def run_dev(settings: Settings, data_dir: Path) -> int:
 
 
 async def _prepare_dev(settings: Settings, data_dir: Path):
+    from yuxi import schema
     from yuxi.services import accounts
 
     url, server = await pgserver.ensure_server(settings, data_dir)

@@ -126,3 +126,11 @@ def stop_server(server: object | None) -> None:
     if server is not None:
         # For cleanup_mode="stop" this is `pg_ctl stop` and keeps the data.
         server.cleanup()  # type: ignore[attr-defined]
+
+
+def start_embedded_for_tests(data_dir: Path, url: str) -> str:
+    """The URL of `url`'s database name on an embedded server in `data_dir`,
+    for a test session on a machine with no PostgreSQL. The server stays up
+    until this process exits (the wheel stops it then)."""
+    embedded_url, _server = start_embedded(data_dir, db.database_name(url))
+    return embedded_url

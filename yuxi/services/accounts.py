@@ -22,22 +22,32 @@ def hash_key(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
+async def _ensure_scope(conn, user: str, app: str) -> Scope:
+    if not user.strip() or not app.strip():
+        raise InvalidRequest("user and app names must not be blank")
+    user_id = (await db.fetch_one(conn, "ensure_user", {"name": user}))["id"]
+    app_id = (await db.fetch_one(conn, "ensure_app", {"name": app}))["id"]
+    return Scope(user_id=user_id, app_id=app_id)
+
+
+async def ensure_scope(pool: AsyncConnectionPool, user: str, app: str) -> Scope:
+    """The (user, app) scope, created if missing, without minting a key."""
+    async with db.transaction(pool) as conn:
+        return await _ensure_scope(conn, user, app)
+
+
 async def create_key(pool: AsyncConnectionPool, user: str, app: str) -> tuple[str, Scope]:
     """Create user and app if needed and a new API key for them. The clear key
     is returned once; only its digest is stored."""
-    if not user.strip() or not app.strip():
-        raise InvalidRequest("user and app names must not be blank")
     key = KEY_PREFIX + secrets.token_urlsafe(32)
     async with db.transaction(pool) as conn:
-        user_id = (await db.fetch_one(conn, "ensure_user", {"name": user}))["id"]
-        app_id = (await db.fetch_one(conn, "ensure_app", {"name": app}))["id"]
+        scope = await _ensure_scope(conn, user, app)
         await db.execute(
             conn,
             "insert_api_key",
-            {"user_id": user_id, "app_id": app_id, "key_hash": hash_key(key),
-             "key_prefix": key[:8]},
+            {**scope.params(), "key_hash": hash_key(key), "key_prefix": key[:8]},
         )
-    return key, Scope(user_id=user_id, app_id=app_id)
+    return key, scope
 
 
 async def authenticate(pool: AsyncConnectionPool, key: str) -> Scope | None:
