@@ -73,9 +73,12 @@ $$;
 
 -- Durably receive an input (one transaction, under the session advisory
 -- lock): idempotent on client_request_id, freezes the session config with the
--- one-off overrides into the input, creates its turn (queued) and starts it if
--- the session is idle. Returns the input id; a replayed client_request_id
--- returns the first input's id and writes nothing.
+-- one-off overrides into the input. A `steer` input while a turn is in flight
+-- joins that turn (delivered at its next model boundary, with its run's
+-- config); otherwise the input gets its own turn, queued FIFO and started at
+-- once when the session is idle. A session waiting for its user refuses new
+-- input (YX005). Returns the input id; a replayed client_request_id returns
+-- the first input's id and writes nothing.
 CREATE FUNCTION yuxi.receive_input_v1(
     p_session uuid, p_user uuid, p_app uuid, p_content text, p_mode text,
     p_overrides jsonb, p_client_request_id text
@@ -83,6 +86,7 @@ CREATE FUNCTION yuxi.receive_input_v1(
     LANGUAGE plpgsql AS $$
 DECLARE
     v_session yuxi.sessions;
+    v_active yuxi.turns;
     v_input uuid;
     v_turn uuid;
 BEGIN
@@ -100,6 +104,13 @@ BEGIN
             RETURN v_input;
         END IF;
     END IF;
+    SELECT * INTO v_active FROM yuxi.turns
+        WHERE session_id = p_session
+          AND status IN ('running', 'waiting', 'waiting_user', 'cancelling');
+    IF v_active.status = 'waiting_user' THEN
+        RAISE EXCEPTION 'session % is waiting for its user to answer turn %', p_session, v_active.id
+            USING ERRCODE = 'YX005';
+    END IF;
     -- Re-read the config under the lock: an update that committed while we
     -- waited must be in the snapshot, never half of it.
     SELECT * INTO v_session FROM yuxi.sessions WHERE id = p_session;
@@ -108,12 +119,21 @@ BEGIN
     VALUES (p_session, v_session.tree_id, p_user, p_app, p_content, p_mode,
             p_client_request_id, v_session.config || coalesce(p_overrides, '{}'))
     RETURNING id INTO v_input;
+    IF p_mode = 'steer' AND v_active.status IN ('running', 'waiting') THEN
+        UPDATE yuxi.inputs SET turn_id = v_active.id WHERE id = v_input;
+        PERFORM yuxi.emit_event_v1(v_session.tree_id, p_session, v_active.id, NULL,
+                                   'input.received',
+                                   jsonb_build_object('input_id', v_input, 'mode', p_mode,
+                                                      'steer', true));
+        RETURN v_input;
+    END IF;
     INSERT INTO yuxi.turns (session_id, tree_id, user_id, app_id, input_id)
     VALUES (p_session, v_session.tree_id, p_user, p_app, v_input)
     RETURNING id INTO v_turn;
     UPDATE yuxi.inputs SET turn_id = v_turn WHERE id = v_input;
     PERFORM yuxi.emit_event_v1(v_session.tree_id, p_session, v_turn, NULL, 'input.received',
-                               jsonb_build_object('input_id', v_input, 'mode', p_mode));
+                               jsonb_build_object('input_id', v_input, 'mode', p_mode,
+                                                  'steer', false));
     PERFORM yuxi.start_next_turn_v1(p_session);
     RETURN v_input;
 END;

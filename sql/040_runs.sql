@@ -114,8 +114,11 @@ BEGIN
     IF NOT FOUND THEN
         RAISE EXCEPTION 'turn % is not in flight', v_run.turn_id USING ERRCODE = 'YX001';
     END IF;
-    UPDATE yuxi.inputs SET status = p_status, error = p_error, finished_at = now()
-     WHERE id = v_turn.input_id;
+    -- The turn's own input and the steers it took in end with it.
+    UPDATE yuxi.inputs
+       SET status = p_status, error = p_error, finished_at = now(),
+           started_at = coalesce(started_at, now())
+     WHERE turn_id = v_turn.id AND status IN ('queued', 'started');
     PERFORM yuxi.release_slot_v1(p_run);
     PERFORM yuxi.emit_event_v1(v_turn.tree_id, v_turn.session_id, v_turn.id, p_run,
                                'turn.' || p_status,
@@ -124,18 +127,54 @@ BEGIN
 END;
 $$;
 
--- The executing worker completes its run with the turn's output.
-CREATE FUNCTION yuxi.complete_run_v1(p_run uuid, p_token uuid, p_output jsonb) RETURNS void
+-- Record that steers of the run's turn reached the conversation (they are in
+-- the checkpoint the worker just committed).
+CREATE FUNCTION yuxi.mark_steers_delivered_v1(p_run uuid, p_token uuid, p_inputs uuid[])
+RETURNS integer
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_run yuxi.runs;
+    v_marked uuid[];
+BEGIN
+    v_run := yuxi.fence_run_v1(p_run, p_token);
+    WITH marked AS (
+        UPDATE yuxi.inputs SET status = 'started', started_at = now()
+         WHERE id = ANY(p_inputs) AND turn_id = v_run.turn_id AND status = 'queued'
+        RETURNING id)
+    SELECT array_agg(id) INTO v_marked FROM marked;
+    IF v_marked IS NOT NULL THEN
+        PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
+                                   'input.delivered', jsonb_build_object('input_ids', v_marked));
+    END IF;
+    RETURN coalesce(array_length(v_marked, 1), 0);
+END;
+$$;
+
+-- The executing worker completes its run with the turn's output. `p_delivered`
+-- are the steers its conversation contains; if the turn took in a steer that
+-- is not among them (it arrived while the model produced what would have been
+-- the final answer), nothing changes and false is returned: the worker must
+-- deliver it with one more model call. Receiving a steer takes the tree lock
+-- too, so a steer either lands before this check or finds the session idle.
+CREATE FUNCTION yuxi.complete_run_v1(
+    p_run uuid, p_token uuid, p_output jsonb, p_delivered uuid[] DEFAULT '{}'
+) RETURNS boolean
     LANGUAGE plpgsql AS $$
 DECLARE
     v_run yuxi.runs;
 BEGIN
     v_run := yuxi.fence_run_v1(p_run, p_token);
+    IF EXISTS (SELECT 1 FROM yuxi.inputs i JOIN yuxi.turns t ON t.id = i.turn_id
+               WHERE i.turn_id = v_run.turn_id AND i.id <> t.input_id
+                 AND NOT (i.id = ANY(coalesce(p_delivered, '{}')))) THEN
+        RETURN false;
+    END IF;
     UPDATE yuxi.runs SET status = 'completed', output = p_output, finished_at = now()
      WHERE id = p_run;
     PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
                                'run.completed', '{}');
     PERFORM yuxi.finish_turn_v1(p_run, 'completed', NULL);
+    RETURN true;
 END;
 $$;
 

@@ -152,7 +152,15 @@ SELECT yuxi.check_lease_v1(%(run_id)s, %(token)s);
 SELECT yuxi.emit_run_event_v1(%(run_id)s, %(token)s, %(type)s, %(data)s, %(dedupe_key)s) AS seq;
 
 -- name: complete_run
-SELECT yuxi.complete_run_v1(%(run_id)s, %(token)s, %(output)s);
+SELECT yuxi.complete_run_v1(%(run_id)s, %(token)s, %(output)s, %(delivered)s) AS completed;
+
+-- name: turn_steers
+SELECT id, content FROM yuxi.inputs
+WHERE turn_id = %(turn_id)s AND id <> %(input_id)s
+ORDER BY seq;
+
+-- name: mark_steers_delivered
+SELECT yuxi.mark_steers_delivered_v1(%(run_id)s, %(token)s, %(input_ids)s) AS marked;
 
 -- name: fail_run
 SELECT yuxi.fail_run_v1(%(run_id)s, %(token)s, %(error)s);

@@ -34,6 +34,12 @@ class LeaseLost(YuxiError):
     code = "lease_lost"
 
 
+class WaitingForUser(IllegalTransition):
+    """The session is waiting for its user to answer; new input is refused."""
+
+    code = "waiting_for_user"
+
+
 class Conflict(YuxiError):
     """The request conflicts with one already recorded."""
 
@@ -67,6 +73,7 @@ _BY_SQLSTATE: dict[str, type[YuxiError]] = {
     "YX002": NotFound,
     "YX003": LeaseLost,
     "YX004": Conflict,
+    "YX005": WaitingForUser,
 }
 
 

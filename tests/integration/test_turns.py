@@ -56,7 +56,7 @@ async def test_only_one_turn_in_flight_per_session(pool, alice):
     _, scope = alice
     session = await new_session(pool, scope)
     for i in range(3):
-        await sessions.receive_input(pool, scope, session.id, content=f"x{i}")
+        await sessions.receive_input(pool, scope, session.id, content=f"x{i}", mode="queue")
     assert await scalar(pool, "SELECT count(*) FROM yuxi.turns WHERE status = 'running'") == 1
     # The guard is the partial unique index, not only the function's check.
     with pytest.raises(Exception, match="turns_one_active_per_session"):

@@ -59,6 +59,37 @@ class EventReporter:
                          f"tool.finished:{call['id']}")
 
 
+def steer_message(input_id: uuid.UUID | str, content: str) -> HumanMessage:
+    return HumanMessage(content=content, id=f"input:{input_id}",
+                        additional_kwargs={"yuxi": {"steer": True, "input_id": str(input_id)}})
+
+
+class SteerInbox:
+    """Steers of the run's turn not yet in its conversation, oldest first."""
+
+    def __init__(self, pool: AsyncConnectionPool, run: dict[str, Any], token: uuid.UUID) -> None:
+        self.pool, self.run, self.token = pool, run, token
+
+    async def take(self, messages: list[Any]) -> list[HumanMessage]:
+        present = {m.id for m in messages}
+        fresh = [steer_message(s["id"], s["content"])
+                 for s in await runs.turn_steers(self.pool, self.run["turn_id"],
+                                                 self.run["input_id"])
+                 if f"input:{s['id']}" not in present]
+        if fresh:
+            await runs.mark_steers_delivered(
+                self.pool, self.run["id"], self.token,
+                [uuid.UUID(m.id.removeprefix("input:")) for m in fresh])
+        return fresh
+
+
+def delivered_steers(messages: list[Any], input_id: str) -> list[uuid.UUID]:
+    """Steer inputs the turn's conversation holds (after its first input)."""
+    start = next(i for i, m in enumerate(messages) if m.id == input_id)
+    return [uuid.UUID(m.id.removeprefix("input:")) for m in messages[start + 1:]
+            if isinstance(m, HumanMessage) and (m.id or "").startswith("input:")]
+
+
 def identity_message(run: dict[str, Any]) -> SystemMessage:
     """The session's identity, loaded once per run and given to every model
     call of the run (never stored in the conversation)."""
@@ -91,17 +122,22 @@ def turn_output(messages: list[Any], input_id: str) -> dict[str, Any]:
     raise RuntimeError("the turn ended without an answer")
 
 
-async def drive(graph: Any, cfg: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
-    """Run the graph from wherever the checkpoint says this turn is."""
+async def drive(graph: Any, cfg: dict[str, Any], run: dict[str, Any],
+                extra: list[Any] = ()) -> tuple[dict[str, Any], list[uuid.UUID]]:
+    """Run the graph from wherever the checkpoint says this turn is; `extra`
+    messages (late steers) start one more model call of a finished turn.
+    Returns the turn's output and the steers its conversation holds."""
     first = input_message(run)
     state = await graph.aget_state(cfg)
     messages = state.values.get("messages", []) if state.values else []
     if not any(m.id == first.id for m in messages):
-        await graph.ainvoke({"messages": [first]}, cfg, durability="sync")
+        await graph.ainvoke({"messages": [first, *extra]}, cfg, durability="sync")
     elif state.next:
         await graph.ainvoke(None, cfg, durability="sync")
-    state = await graph.aget_state(cfg)
-    return turn_output(state.values["messages"], first.id)
+    elif extra:
+        await graph.ainvoke({"messages": list(extra)}, cfg, durability="sync")
+    messages = (await graph.aget_state(cfg)).values["messages"]
+    return turn_output(messages, first.id), delivered_steers(messages, first.id)
 
 
 class RunExecutor:
@@ -119,7 +155,7 @@ class RunExecutor:
         run = await runs.start_run(self.pool, run_id, token, lease)
         if run is None:
             return "skipped"
-        work = asyncio.create_task(self._run_graph(run, token))
+        work = asyncio.create_task(self._run_turn(run, token))
         keeper = asyncio.create_task(self._keep_lease(run_id, token))
         try:
             await asyncio.wait({work, keeper}, return_when=asyncio.FIRST_COMPLETED)
@@ -129,14 +165,13 @@ class RunExecutor:
                 return "lease_lost"
             keeper.cancel()
             try:
-                output = work.result()
+                work.result()
             except LeaseLost:
                 return "lease_lost"
             except Exception as exc:
                 log.info("run %s failed: %s", run_id, exc)
                 await runs.fail(self.pool, run_id, token, f"{type(exc).__name__}: {exc}")
                 return "failed"
-            await runs.complete(self.pool, run_id, token, output)
             return "completed"
         except LeaseLost:
             return "lease_lost"
@@ -156,7 +191,19 @@ class RunExecutor:
             except Exception:  # a transient database error: try again
                 log.exception("heartbeat of run %s failed", run_id)
 
-    async def _run_graph(self, run: dict[str, Any], token: uuid.UUID) -> dict[str, Any]:
+    async def _run_turn(self, run: dict[str, Any], token: uuid.UUID) -> None:
+        """Drive the graph and complete the run; a steer that arrived while the
+        model produced the final answer gets one more model call."""
+        graph, cfg = self._graph(run, token)
+        extra: list[Any] = []
+        while True:
+            output, delivered = await drive(graph, cfg, run, extra)
+            if await runs.complete(self.pool, run["id"], token, output, delivered):
+                return
+            extra = await SteerInbox(self.pool, run, token).take(
+                (await graph.aget_state(cfg)).values["messages"])
+
+    def _graph(self, run: dict[str, Any], token: uuid.UUID) -> tuple[Any, dict[str, Any]]:
         config = run["config"]
         session = {"id": str(run["session_id"]), "name": run["session_name"],
                    "path": run["session_path"],
@@ -172,7 +219,8 @@ class RunExecutor:
                  if name in BUILTIN_TOOLS}
         reporter = EventReporter(self.pool, run["id"], token, run["turn_id"])
         graph = build_graph(model, tools, reporter, preamble=preamble,
-                            checkpointer=FencedSaver(self.checkpoint_pool, run["id"], token))
+                            checkpointer=FencedSaver(self.checkpoint_pool, run["id"], token),
+                            inbox=SteerInbox(self.pool, run, token))
         cfg = {"configurable": {"thread_id": str(run["session_id"])},
                "recursion_limit": 2 * int(config.get("max_steps", 25)) + 2}
-        return await drive(graph, cfg, run)
+        return graph, cfg

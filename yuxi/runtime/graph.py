@@ -26,6 +26,19 @@ class ToolCallState(TypedDict):
     call: dict[str, Any]
 
 
+class Inbox(Protocol):
+    """Input that reaches a running turn at its next safe boundary (steers)."""
+
+    async def take(self, messages: list[AnyMessage]) -> list[AnyMessage]:
+        """Messages received for this turn that `messages` does not hold yet."""
+        ...
+
+
+class NoInbox:
+    async def take(self, messages: list[AnyMessage]) -> list[AnyMessage]:
+        return []
+
+
 class RunReporter(Protocol):
     """Receives what the graph does, to record it as events."""
 
@@ -47,15 +60,23 @@ def build_graph(
     *,
     preamble: list[SystemMessage],
     checkpointer: BaseCheckpointSaver | None,
+    inbox: Inbox | None = None,
 ):
     """Compile the graph of one run. `preamble` (identity, system prompt) is
-    prepended to every model call and never stored in the conversation."""
+    prepended to every model call and never stored in the conversation.
+
+    Before each model call (the safe boundary: never inside a tool batch) the
+    inbox's new messages join the conversation; they are checkpointed with the
+    model's answer, so a re-executed step takes them in again by id, never twice.
+    """
     bound = model.bind_tools(list(tools)) if tools else model
+    inbox = inbox or NoInbox()
 
     async def call_model(state: AgentState) -> dict[str, Any]:
-        answer = await bound.ainvoke([*preamble, *state["messages"]])
+        arrived = await inbox.take(state["messages"])
+        answer = await bound.ainvoke([*preamble, *state["messages"], *arrived])
         await reporter.message(answer)
-        return {"messages": [answer]}
+        return {"messages": [*arrived, answer]}
 
     def route(state: AgentState) -> Any:
         last = state["messages"][-1]

@@ -50,11 +50,34 @@ async def emit(
 
 
 async def complete(
-    pool: AsyncConnectionPool, run_id: uuid.UUID, token: uuid.UUID, output: dict[str, Any]
-) -> None:
+    pool: AsyncConnectionPool, run_id: uuid.UUID, token: uuid.UUID, output: dict[str, Any],
+    delivered: list[uuid.UUID] = (),
+) -> bool:
+    """Complete the run and its turn. False (nothing changed) when the turn
+    took in a steer that is not among `delivered`: deliver it first."""
     async with pool.connection() as conn:
-        await db.execute(
-            conn, "complete_run", {"run_id": run_id, "token": token, "output": Jsonb(output)})
+        row = await db.fetch_one(
+            conn, "complete_run",
+            {"run_id": run_id, "token": token, "output": Jsonb(output),
+             "delivered": list(delivered)})
+    return bool(row["completed"])
+
+
+async def turn_steers(
+    pool: AsyncConnectionPool, turn_id: uuid.UUID, input_id: uuid.UUID
+) -> list[dict[str, Any]]:
+    """The steers a turn took in, in the order they were received."""
+    async with pool.connection() as conn:
+        return await db.fetch_all(conn, "turn_steers", {"turn_id": turn_id, "input_id": input_id})
+
+
+async def mark_steers_delivered(
+    pool: AsyncConnectionPool, run_id: uuid.UUID, token: uuid.UUID, input_ids: list[uuid.UUID]
+) -> int:
+    async with pool.connection() as conn:
+        row = await db.fetch_one(conn, "mark_steers_delivered",
+                                 {"run_id": run_id, "token": token, "input_ids": input_ids})
+    return row["marked"]
 
 
 async def fail(pool: AsyncConnectionPool, run_id: uuid.UUID, token: uuid.UUID, error: str) -> None:
