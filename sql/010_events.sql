@@ -2,6 +2,7 @@
 -- code in yuxi/errors.py, never by message text):
 --   YX001 illegal transition   YX002 not found   YX003 lease lost
 --   YX004 idempotency conflict   YX005 waiting for the user
+--   YX006 permission denied
 
 -- Lock a tree row for the rest of the transaction. Every transition takes it
 -- first (lock order: session advisory lock, then tree row, then turn/run rows),

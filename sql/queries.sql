@@ -133,7 +133,7 @@ LIMIT %(limit)s;
 -- Runs (worker side) -------------------------------------------------------
 
 -- name: start_run
-SELECT r.id, r.turn_id, r.session_id, r.tree_id, r.attempt, r.config,
+SELECT r.id, r.turn_id, r.session_id, r.tree_id, r.user_id, r.app_id, r.attempt, r.config,
        t.input_id, i.content AS input_content,
        s.name AS session_name, s.path AS session_path, s.parent_id AS session_parent_id
 FROM yuxi.start_run_v1(%(run_id)s, %(token)s, %(lease_seconds)s) r
@@ -176,6 +176,31 @@ SELECT yuxi.recover_run_v1(%(run_id)s, %(max_attempts)s) AS new_run_id;
 
 -- name: redeliver_ready_runs
 SELECT yuxi.redeliver_ready_runs_v1(%(older_than)s) AS run_id;
+
+-- Resources ----------------------------------------------------------------
+
+-- name: ensure_resource
+SELECT yuxi.ensure_resource_v1(%(app_id)s, %(kind)s, %(name)s) AS id;
+
+-- name: grant
+SELECT yuxi.grant_v1(%(user_id)s, %(app_id)s, %(kind)s, %(name)s) AS id;
+
+-- name: revoke
+SELECT yuxi.revoke_v1(%(user_id)s, %(app_id)s, %(kind)s, %(name)s) AS revoked;
+
+-- name: resolve_resources
+SELECT kind, name, resource_id, granted
+FROM yuxi.resolve_resources_v1(%(user_id)s, %(app_id)s, %(selection)s)
+ORDER BY kind, name;
+
+-- name: add_note
+SELECT yuxi.add_note_v1(%(run_id)s, %(token)s, %(call_id)s, %(collection)s, %(content)s) AS id;
+
+-- name: search_notes
+SELECT n.content FROM yuxi.notes n
+WHERE n.resource_id = %(resource_id)s AND n.content ILIKE '%%' || %(query)s || '%%'
+ORDER BY n.created_at
+LIMIT 20;
 
 -- Health -------------------------------------------------------------------
 

@@ -40,6 +40,12 @@ class WaitingForUser(IllegalTransition):
     code = "waiting_for_user"
 
 
+class PermissionDenied(YuxiError):
+    """The user holds no grant for a resource this needs."""
+
+    code = "permission_denied"
+
+
 class Conflict(YuxiError):
     """The request conflicts with one already recorded."""
 
@@ -74,6 +80,7 @@ _BY_SQLSTATE: dict[str, type[YuxiError]] = {
     "YX003": LeaseLost,
     "YX004": Conflict,
     "YX005": WaitingForUser,
+    "YX006": PermissionDenied,
 }
 
 

@@ -16,6 +16,7 @@ STATUS: dict[type[errors.YuxiError], int] = {
     errors.InvalidRequest: 422,
     errors.IllegalTransition: 409,
     errors.Conflict: 409,
+    errors.PermissionDenied: 403,
     errors.LeaseLost: 409,
     errors.DatabaseUnavailable: 503,
 }

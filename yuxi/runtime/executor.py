@@ -17,12 +17,12 @@ from typing import Any
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from psycopg_pool import AsyncConnectionPool
 
-from yuxi.errors import LeaseLost
+from yuxi.errors import LeaseLost, YuxiError
 from yuxi.runtime.graph import build_graph
 from yuxi.runtime.models import build_chat_model
 from yuxi.runtime.saver import FencedSaver
-from yuxi.runtime.tools import BUILTIN_TOOLS
-from yuxi.services import runs
+from yuxi.runtime.tools import ToolContext, available_tools
+from yuxi.services import resources, runs
 from yuxi.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -170,7 +170,9 @@ class RunExecutor:
                 return "lease_lost"
             except Exception as exc:
                 log.info("run %s failed: %s", run_id, exc)
-                await runs.fail(self.pool, run_id, token, f"{type(exc).__name__}: {exc}")
+                error = (f"{exc.code}: {exc.message}" if isinstance(exc, YuxiError)
+                         else f"{type(exc).__name__}: {exc}")
+                await runs.fail(self.pool, run_id, token, error)
                 return "failed"
             return "completed"
         except LeaseLost:
@@ -194,7 +196,13 @@ class RunExecutor:
     async def _run_turn(self, run: dict[str, Any], token: uuid.UUID) -> None:
         """Drive the graph and complete the run; a steer that arrived while the
         model produced the final answer gets one more model call."""
-        graph, cfg = self._graph(run, token)
+        # Visibility is resolved with the user's grants as they are now; an
+        # explicitly selected resource that lost its grant fails the run
+        # before any model call.
+        visible = await resources.resolve(self.pool, run["user_id"], run["app_id"],
+                                          run["config"].get("resources", []))
+        resources.require_all_granted(visible)
+        graph, cfg = self._graph(run, token, visible)
         extra: list[Any] = []
         while True:
             output, delivered = await drive(graph, cfg, run, extra)
@@ -203,7 +211,8 @@ class RunExecutor:
             extra = await SteerInbox(self.pool, run, token).take(
                 (await graph.aget_state(cfg)).values["messages"])
 
-    def _graph(self, run: dict[str, Any], token: uuid.UUID) -> tuple[Any, dict[str, Any]]:
+    def _graph(self, run: dict[str, Any], token: uuid.UUID,
+               visible: list[resources.Resolved] = ()) -> tuple[Any, dict[str, Any]]:
         config = run["config"]
         session = {"id": str(run["session_id"]), "name": run["session_name"],
                    "path": run["session_path"],
@@ -215,12 +224,14 @@ class RunExecutor:
         preamble = [identity_message(run)]
         if config.get("system_prompt"):
             preamble.append(SystemMessage(content=config["system_prompt"], id="system"))
-        tools = {name: BUILTIN_TOOLS[name] for name in config.get("tools", [])
-                 if name in BUILTIN_TOOLS}
+        tools = available_tools(config.get("tools", []), list(visible))
         reporter = EventReporter(self.pool, run["id"], token, run["turn_id"])
         graph = build_graph(model, tools, reporter, preamble=preamble,
                             checkpointer=FencedSaver(self.checkpoint_pool, run["id"], token),
-                            inbox=SteerInbox(self.pool, run, token))
+                            inbox=SteerInbox(self.pool, run, token),
+                            tool_context=lambda call_id: ToolContext(
+                                pool=self.pool, run_id=run["id"], token=token,
+                                call_id=call_id, visible=tuple(visible)))
         cfg = {"configurable": {"thread_id": str(run["session_id"])},
                "recursion_limit": 2 * int(config.get("max_steps", 25)) + 2}
         return graph, cfg

@@ -6,6 +6,7 @@ run's frozen config), so a resumed or re-executed run behaves identically.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, Protocol, TypedDict
 
 from langchain_core.language_models import BaseChatModel
@@ -15,7 +16,7 @@ from langgraph.graph import END, START, StateGraph
 from langgraph.graph.message import add_messages
 from langgraph.types import Send
 
-from yuxi.runtime.tools import ToolFn, call_tool
+from yuxi.runtime.tools import Tool, ToolContext, call_tool
 
 
 class AgentState(TypedDict):
@@ -55,12 +56,13 @@ def tool_message_id(call_id: str) -> str:
 
 def build_graph(
     model: BaseChatModel,
-    tools: dict[str, ToolFn],
+    tools: dict[str, Tool],
     reporter: RunReporter,
     *,
     preamble: list[SystemMessage],
     checkpointer: BaseCheckpointSaver | None,
     inbox: Inbox | None = None,
+    tool_context: Callable[[str], ToolContext] | None = None,
 ):
     """Compile the graph of one run. `preamble` (identity, system prompt) is
     prepended to every model call and never stored in the conversation.
@@ -87,7 +89,8 @@ def build_graph(
     async def run_tool(state: ToolCallState) -> dict[str, Any]:
         call = state["call"]
         await reporter.tool_started(call)
-        result = await call_tool(tools, call["name"], call.get("args") or {})
+        ctx = tool_context(call["id"]) if tool_context else None
+        result = await call_tool(tools, ctx, call["name"], call.get("args") or {})
         await reporter.tool_finished(call, result)
         message = ToolMessage(
             content=result, tool_call_id=call["id"], name=call["name"],

@@ -3,19 +3,42 @@ results of finished calls are saved as pending writes when another suspends.
 
 A tool returns a JSON-serializable value; a refused or failing call becomes a
 structured error result for the model (`{"error": {"code", "message"}}`) and
-never crashes the run.
+never crashes the run. Side-effecting tools write through SQL functions that
+are fenced by the run's lease and check the user's grant when they execute.
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
+from psycopg_pool import AsyncConnectionPool
 
-from yuxi.errors import LeaseLost
+from yuxi import db
+from yuxi.errors import LeaseLost, YuxiError
+from yuxi.services.resources import Resolved
 
-ToolFn = Callable[[dict[str, Any]], Awaitable[Any]]
+
+class ToolContext(msgspec.Struct, frozen=True):
+    """What a tool call may use: the run it belongs to (and its lease), and
+    the resources resolved visible when the run started."""
+
+    pool: AsyncConnectionPool
+    run_id: uuid.UUID
+    token: uuid.UUID
+    call_id: str
+    visible: tuple[Resolved, ...] = ()
+
+    def visible_resource(self, kind: str, name: str) -> uuid.UUID:
+        for r in self.visible:
+            if (r.kind, r.name) == (kind, name) and r.granted:
+                return r.resource_id  # type: ignore[return-value]
+        raise ToolError("permission_denied", f"{kind}:{name} is not visible to this run")
+
+
+ToolFn = Callable[[ToolContext, dict[str, Any]], Awaitable[Any]]
 
 
 class ToolError(Exception):
@@ -25,30 +48,71 @@ class ToolError(Exception):
         self.message = message
 
 
-async def _echo(args: dict[str, Any]) -> Any:
+class Tool(msgspec.Struct, frozen=True):
+    fn: ToolFn
+    # The tool group whose grant the tool needs (None: always available).
+    group: str | None = None
+
+
+async def _echo(ctx: ToolContext, args: dict[str, Any]) -> Any:
     """Return the given text: a harmless tool for demos and tests."""
     return {"text": str(args.get("text", ""))}
 
 
-BUILTIN_TOOLS: dict[str, ToolFn] = {"echo": _echo}
+async def _add_note(ctx: ToolContext, args: dict[str, Any]) -> Any:
+    """Write a note into a collection (side effect: re-checks the grants)."""
+    collection, text = str(args.get("collection", "")), str(args.get("text", ""))
+    ctx.visible_resource("collection", collection)
+    async with ctx.pool.connection() as conn:
+        with db.domain_errors():
+            row = await db.fetch_one(conn, "add_note", {
+                "run_id": ctx.run_id, "token": ctx.token, "call_id": ctx.call_id,
+                "collection": collection, "content": text})
+    return {"note_id": str(row["id"]), "collection": collection}
+
+
+async def _search_notes(ctx: ToolContext, args: dict[str, Any]) -> Any:
+    """Notes of a visible collection containing the query."""
+    resource = ctx.visible_resource("collection", str(args.get("collection", "")))
+    async with ctx.pool.connection() as conn:
+        rows = await db.fetch_all(conn, "search_notes",
+                                  {"resource_id": resource, "query": str(args.get("query", ""))})
+    return {"notes": [r["content"] for r in rows]}
+
+
+BUILTIN_TOOLS: dict[str, Tool] = {
+    "echo": Tool(_echo),
+    "add_note": Tool(_add_note, group="notes"),
+    "search_notes": Tool(_search_notes, group="notes"),
+}
+
+
+def available_tools(selected: list[str], visible: list[Resolved]) -> dict[str, Tool]:
+    """The selected builtin tools whose group (if any) is visible to the run."""
+    groups = {r.name for r in visible if r.kind == "tool_group" and r.granted}
+    return {name: BUILTIN_TOOLS[name] for name in selected
+            if name in BUILTIN_TOOLS and BUILTIN_TOOLS[name].group in (None, *groups)}
 
 
 def error_result(code: str, message: str) -> dict[str, Any]:
     return {"error": {"code": code, "message": message}}
 
 
-async def call_tool(tools: dict[str, ToolFn], name: str, args: dict[str, Any]) -> str:
+async def call_tool(tools: dict[str, Tool], ctx: ToolContext, name: str,
+                    args: dict[str, Any]) -> str:
     """Run one tool call and return its result as JSON text."""
-    fn = tools.get(name)
-    if fn is None:
-        result: Any = error_result("unknown_tool", f"no tool named {name!r}")
+    tool = tools.get(name)
+    if tool is None:
+        result: Any = error_result("unknown_tool", f"no tool named {name!r} is available")
     else:
         try:
-            result = await fn(args)
+            result = await tool.fn(ctx, args)
         except ToolError as exc:
             result = error_result(exc.code, exc.message)
         except LeaseLost:
             raise
+        except YuxiError as exc:
+            result = error_result(exc.code, exc.message)
         except Exception as exc:  # a failing tool is the model's problem to handle
             result = error_result("tool_failed", f"{type(exc).__name__}: {exc}")
     return msgspec.json.encode(result).decode()

@@ -14,6 +14,7 @@ from yuxi.domain import Agent, Scope, from_row
 from yuxi.errors import Conflict, InvalidRequest, NotFound
 from yuxi.runtime.models import UnknownModelError, validate_agent_config
 from yuxi.runtime.replay import ReplayScriptError
+from yuxi.services.resources import validate_selection
 
 KEY_PREFIX = "yx_"
 
@@ -57,6 +58,8 @@ async def authenticate(pool: AsyncConnectionPool, key: str) -> Scope | None:
 
 
 def check_agent_config(config: dict[str, Any]) -> None:
+    if "resources" in config:
+        validate_selection(config["resources"])
     try:
         validate_agent_config(config)
     except (UnknownModelError, ReplayScriptError) as exc:

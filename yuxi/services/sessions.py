@@ -25,6 +25,9 @@ CONFIG_DEFAULTS: dict[str, Any] = {
     "system_prompt": "",
     "tools": [],
     "max_steps": 25,
+    # Selection intent only ("all" or ["kind:name", ...]); grants are
+    # resolved when a run starts.
+    "resources": [],
 }
 
 
