@@ -79,6 +79,25 @@ def cmd_agents_create(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def cmd_grants(args: argparse.Namespace, settings: Settings) -> int:
+    """Create the resource if needed and grant it, or revoke a live grant."""
+    from yuxi.services import accounts, resources
+
+    async def change() -> str:
+        async with _schema_pool(settings.database_url) as pool:
+            scope = await accounts.ensure_scope(pool, args.user, args.app)
+            if args.grants_command == "add":
+                await resources.create(pool, scope.app_id, args.resource)
+                await resources.grant(pool, scope, args.resource)
+                return f"granted {args.resource} to {args.user} in {args.app}"
+            if not await resources.revoke(pool, scope, args.resource):
+                raise YuxiError(f"{args.user} holds no live grant of {args.resource} in {args.app}")
+            return f"revoked {args.resource} from {args.user} in {args.app}"
+
+    print(asyncio.run(change()))
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     import uvicorn
 
@@ -343,6 +362,18 @@ def build_parser() -> argparse.ArgumentParser:
     create_agent.add_argument("--replace", action="store_true",
                               help="replace the config of an existing agent of that name")
     create_agent.set_defaults(func=cmd_agents_create)
+
+    grants = commands.add_parser("grants", help="grants of resources (collections, tool groups)")
+    grants_commands = grants.add_subparsers(dest="grants_command", required=True,
+                                            metavar="COMMAND")
+    for name, text in (("add", "grant a resource to a user (creates the resource)"),
+                       ("revoke", "revoke a user's grant of a resource")):
+        grant = grants_commands.add_parser(name, help=text)
+        grant.add_argument("--user", required=True)
+        grant.add_argument("--app", required=True)
+        grant.add_argument("--resource", required=True,
+                           help="collection:<name> or tool_group:<name>")
+        grant.set_defaults(func=cmd_grants)
 
     serve = commands.add_parser("serve", help="run the HTTP API (uvicorn)")
     serve.add_argument("--host", help="default: YUXI_HOST or 127.0.0.1")
