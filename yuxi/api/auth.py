@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from litestar import Request
+from litestar.di import NamedDependency
 from litestar.exceptions import NotAuthorizedException
 
 from yuxi.domain import Scope
 from yuxi.services import accounts
+
+# The caller's scope, provided to every /api handler that names it.
+Caller = NamedDependency[Scope]
 
 
 async def provide_scope(request: Request) -> Scope:

@@ -6,6 +6,8 @@ Every error body is `{"code": <machine-readable>, "message": <text>, "errors":
 
 from __future__ import annotations
 
+import re
+
 from litestar import MediaType, Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 
@@ -36,10 +38,23 @@ def domain_error(_: Request, exc: errors.YuxiError) -> Response:
                     status_code=status, media_type=MediaType.JSON)
 
 
+_UNKNOWN_FIELD = re.compile(r"unknown field `([^`]+)`")
+_AT_FIELD = re.compile(r"at `\$\.([A-Za-z_][\w]*)")
+
+
+def _field_of(error: dict) -> str | None:
+    """The body field an error is about: msgspec reports the whole body
+    (`data`) for an unknown field and names the field in its message."""
+    message = str(error.get("message", ""))
+    if m := _UNKNOWN_FIELD.search(message) or _AT_FIELD.search(message):
+        return m.group(1)
+    return error.get("key")
+
+
 def validation_error(_: Request, exc: ValidationException) -> Response:
     extra = exc.extra if isinstance(exc.extra, list) else []
     field_errors = [
-        {"field": e.get("key"), "message": e.get("message"), "source": e.get("source")}
+        {"field": _field_of(e), "message": e.get("message"), "source": e.get("source")}
         for e in extra if isinstance(e, dict)
     ]
     return Response(_body("validation_error", exc.detail, field_errors),

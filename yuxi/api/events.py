@@ -15,10 +15,11 @@ from typing import Annotated, Literal
 
 import msgspec
 from litestar import Request, get
-from litestar.params import HeaderParameter, QueryParameter
+from litestar.params import FromPath, HeaderParameter, QueryParameter
 from litestar.response import ServerSentEvent, ServerSentEventMessage
 
 from yuxi import db
+from yuxi.api.auth import Caller
 from yuxi.domain import Scope
 from yuxi.errors import InvalidRequest
 from yuxi.services import sessions
@@ -40,8 +41,8 @@ def _cursor(after: int | None, last_event_id: str | None) -> int:
 @get("/api/sessions/{session_id:uuid}/events", operation_id="streamEvents", tags=["events"])
 async def stream_events(
     request: Request,
-    caller: Scope,
-    session_id: uuid.UUID,
+    caller: Caller,
+    session_id: FromPath[uuid.UUID],
     scope_: Annotated[Literal["session", "tree"], QueryParameter(name="scope")] = "session",
     after: Annotated[int | None, QueryParameter(ge=0)] = None,
     last_event_id: Annotated[str | None, HeaderParameter(name="last-event-id")] = None,
@@ -60,7 +61,7 @@ async def _fetch(pool, tree_id: str, session_id, after: int) -> list[dict]:
 
 
 async def _events(
-    request: Request, tree_id: str, session_id: uuid.UUID | None, cursor: int
+    request: Request, tree_id: str, session_id: FromPath[uuid.UUID] | None, cursor: int
 ) -> AsyncIterator[ServerSentEventMessage]:
     state = request.app.state
     keepalive = state.settings.sse_keepalive_seconds

@@ -6,9 +6,10 @@ import uuid
 from typing import Annotated, Any
 
 from litestar import Controller, Request, get, post
-from litestar.params import QueryParameter
+from litestar.params import FromPath, FromQuery, JSONBody, QueryParameter
 
 from yuxi.api.schemas import AgentCreate, InputCreate, Page, SessionCreate, SessionUpdate
+from yuxi.api.auth import Caller
 from yuxi.domain import Agent, Input, Receipt, Scope, Session, Turn, TurnResult
 from yuxi.services import accounts, conversation, sessions
 
@@ -22,11 +23,11 @@ class AgentController(Controller):
     tags = ["agents"]
 
     @post("/", operation_id="createAgent", status_code=201)
-    async def create_agent(self, request: Request, caller: Scope, data: AgentCreate) -> Agent:
+    async def create_agent(self, request: Request, caller: Caller, data: JSONBody[AgentCreate]) -> Agent:
         return await accounts.create_agent(_pool(request), caller, data.name, data.config)
 
     @get("/", operation_id="listAgents")
-    async def list_agents(self, request: Request, caller: Scope) -> list[Agent]:
+    async def list_agents(self, request: Request, caller: Caller) -> list[Agent]:
         return await accounts.list_agents(_pool(request), caller)
 
 
@@ -35,7 +36,7 @@ class SessionController(Controller):
     tags = ["sessions"]
 
     @post("/", operation_id="createSession", status_code=201)
-    async def create_session(self, request: Request, caller: Scope, data: SessionCreate) -> Session:
+    async def create_session(self, request: Request, caller: Caller, data: JSONBody[SessionCreate]) -> Session:
         return await sessions.create_session(
             _pool(request), caller, agent_id=data.agent_id,
             default_model=request.app.state.settings.default_model,
@@ -44,27 +45,27 @@ class SessionController(Controller):
 
     @get("/", operation_id="listSessions")
     async def list_sessions(
-        self, request: Request, caller: Scope,
+        self, request: Request, caller: Caller,
         limit: Annotated[int, QueryParameter(ge=1, le=200)] = 50,
-        cursor: str | None = None,
+        cursor: FromQuery[str | None] = None,
     ) -> Page:
         items, next_cursor = await sessions.list_sessions(
             _pool(request), caller, limit=limit, cursor=cursor)
         return Page(items=items, next_cursor=next_cursor)
 
     @get("/{session_id:uuid}", operation_id="getSession")
-    async def get_session(self, request: Request, caller: Scope, session_id: uuid.UUID) -> Session:
+    async def get_session(self, request: Request, caller: Caller, session_id: FromPath[uuid.UUID]) -> Session:
         return await sessions.get_session(_pool(request), caller, session_id)
 
     @post("/{session_id:uuid}", operation_id="updateSession", status_code=200)
     async def update_session(
-        self, request: Request, caller: Scope, session_id: uuid.UUID, data: SessionUpdate
+        self, request: Request, caller: Caller, session_id: FromPath[uuid.UUID], data: JSONBody[SessionUpdate]
     ) -> Session:
         return await sessions.update_session(_pool(request), caller, session_id, data.changes())
 
     @post("/{session_id:uuid}/inputs", operation_id="createInput", status_code=202)
     async def create_input(
-        self, request: Request, caller: Scope, session_id: uuid.UUID, data: InputCreate
+        self, request: Request, caller: Caller, session_id: FromPath[uuid.UUID], data: JSONBody[InputCreate]
     ) -> Receipt:
         return await sessions.receive_input(
             _pool(request), caller, session_id, content=data.content, mode=data.mode,
@@ -73,12 +74,12 @@ class SessionController(Controller):
         )
 
     @get("/{session_id:uuid}/turns", operation_id="listTurns")
-    async def list_turns(self, request: Request, caller: Scope, session_id: uuid.UUID) -> list[Turn]:
+    async def list_turns(self, request: Request, caller: Caller, session_id: FromPath[uuid.UUID]) -> list[Turn]:
         return await sessions.list_turns(_pool(request), caller, session_id)
 
     @get("/{session_id:uuid}/messages", operation_id="listMessages")
     async def list_messages(
-        self, request: Request, caller: Scope, session_id: uuid.UUID
+        self, request: Request, caller: Caller, session_id: FromPath[uuid.UUID]
     ) -> list[dict[str, Any]]:
         await sessions.get_session(_pool(request), caller, session_id)
         return await conversation.messages(request.app.state.checkpoint_pool, session_id)
@@ -89,7 +90,7 @@ class InputController(Controller):
     tags = ["inputs"]
 
     @get("/{input_id:uuid}", operation_id="getInput")
-    async def get_input(self, request: Request, caller: Scope, input_id: uuid.UUID) -> Input:
+    async def get_input(self, request: Request, caller: Caller, input_id: FromPath[uuid.UUID]) -> Input:
         return await sessions.get_input(_pool(request), caller, input_id)
 
 
@@ -98,9 +99,9 @@ class TurnController(Controller):
     tags = ["turns"]
 
     @get("/{turn_id:uuid}", operation_id="getTurn")
-    async def get_turn(self, request: Request, caller: Scope, turn_id: uuid.UUID) -> Turn:
+    async def get_turn(self, request: Request, caller: Caller, turn_id: FromPath[uuid.UUID]) -> Turn:
         return await sessions.get_turn(_pool(request), caller, turn_id)
 
     @get("/{turn_id:uuid}/result", operation_id="getTurnResult")
-    async def get_result(self, request: Request, caller: Scope, turn_id: uuid.UUID) -> TurnResult:
+    async def get_result(self, request: Request, caller: Caller, turn_id: FromPath[uuid.UUID]) -> TurnResult:
         return await sessions.get_result(_pool(request), caller, turn_id)
