@@ -4,6 +4,12 @@
 --   YX004 idempotency conflict   YX005 waiting for the user
 --   YX006 permission denied
 
+-- A 64-bit advisory lock key for a named thing ("session:<id>", ...).
+CREATE FUNCTION yuxi.lock_key_v1(p_name text) RETURNS bigint
+    LANGUAGE sql IMMUTABLE AS $$
+    SELECT ('x' || substr(md5('yuxi.' || p_name), 1, 16))::bit(64)::bigint;
+$$;
+
 -- Lock a tree row for the rest of the transaction. Every transition takes it
 -- first (lock order: session advisory lock, then tree row, then turn/run rows),
 -- which serializes a tree's transitions and keeps event numbers in commit order.
@@ -52,6 +58,11 @@ BEGIN
     VALUES (p_tree, v_seq, v_user, v_app, p_session, p_turn, p_run,
             p_type, coalesce(p_data, '{}'), p_dedupe_key);
     PERFORM pg_notify('yuxi_events', p_tree::text || ' ' || v_seq::text);
+    -- Facts that waits look at wake them in this same transaction.
+    IF p_type IN ('turn.completed', 'turn.failed', 'turn.cancelled', 'turn.waiting',
+                  'turn.waiting_user', 'message.sent') THEN
+        PERFORM yuxi.match_waits_v1(p_tree, p_session, p_turn, p_type, p_data);
+    END IF;
     RETURN v_seq;
 END;
 $$;

@@ -4,7 +4,7 @@
 -- session's config hold it, so an input never sees a half-applied update.
 CREATE FUNCTION yuxi.session_lock_key_v1(p_session uuid) RETURNS bigint
     LANGUAGE sql IMMUTABLE AS $$
-    SELECT ('x' || substr(md5('yuxi.session:' || p_session::text), 1, 16))::bit(64)::bigint;
+    SELECT yuxi.lock_key_v1('session:' || p_session::text);
 $$;
 
 -- Create a root session (and its tree) with a fully resolved config snapshot.
@@ -125,6 +125,9 @@ BEGIN
                                    'input.received',
                                    jsonb_build_object('input_id', v_input, 'mode', p_mode,
                                                       'steer', true));
+        -- A turn waiting for cooperation resumes to take the steer in.
+        PERFORM yuxi.resolve_wait_v1(w.id, 'steer', v_session.tree_id)
+           FROM yuxi.waits w WHERE w.turn_id = v_active.id AND w.status = 'pending';
         RETURN v_input;
     END IF;
     INSERT INTO yuxi.turns (session_id, tree_id, user_id, app_id, input_id)

@@ -1,0 +1,502 @@
+-- Cooperation: child sessions, messages, idempotent effects and durable
+-- waits. Errors: YX002 not found (also: out of scope), YX004 effect conflict,
+-- YX007 invalid cooperation request (bad name, waiting on yourself, ...).
+
+-- The run that created a child session (audit; NULL for roots and children
+-- created by a user through the API).
+ALTER TABLE yuxi.sessions ADD COLUMN source_run_id uuid REFERENCES yuxi.runs (id);
+CREATE INDEX sessions_source_run_idx ON yuxi.sessions (source_run_id) WHERE source_run_id IS NOT NULL;
+
+-- What a resume run hands to the interrupted tool (`Command(resume=...)`).
+ALTER TABLE yuxi.runs ADD COLUMN resume jsonb;
+
+-- A cancel intent committed for a turn in flight.
+ALTER TABLE yuxi.turns ADD COLUMN cancel_requested_at timestamptz;
+
+-- A cooperation message: sender, receiver, the run that sent it; `seq` is its
+-- received position, `processed_run_id` the run whose conversation took it in.
+CREATE TABLE yuxi.messages (
+    id uuid PRIMARY KEY DEFAULT gen_random_uuid(),
+    seq bigint GENERATED ALWAYS AS IDENTITY,
+    user_id uuid NOT NULL,
+    app_id uuid NOT NULL,
+    sender_session_id uuid NOT NULL,
+    sender_tree_id uuid NOT NULL,
+    receiver_session_id uuid NOT NULL,
+    receiver_tree_id uuid NOT NULL,
+    source_run_id uuid REFERENCES yuxi.runs (id),
+    content text NOT NULL,
+    received_at timestamptz NOT NULL DEFAULT now(),
+    processed_at timestamptz,
+    processed_run_id uuid REFERENCES yuxi.runs (id),
+    CONSTRAINT messages_sender_fk FOREIGN KEY (sender_session_id, sender_tree_id, user_id, app_id)
+        REFERENCES yuxi.sessions (id, tree_id, user_id, app_id),
+    -- Same user and app on both ends: the scope is never widened.
+    CONSTRAINT messages_receiver_fk FOREIGN KEY (receiver_session_id, receiver_tree_id, user_id, app_id)
+        REFERENCES yuxi.sessions (id, tree_id, user_id, app_id),
+    CONSTRAINT messages_content_not_blank CHECK (btrim(content) <> ''),
+    CONSTRAINT messages_processed_together CHECK ((processed_at IS NULL) = (processed_run_id IS NULL))
+);
+CREATE INDEX messages_unprocessed_idx ON yuxi.messages (receiver_session_id, seq)
+    WHERE processed_at IS NULL;
+CREATE INDEX messages_sender_idx ON yuxi.messages (sender_session_id, sender_tree_id, user_id, app_id);
+CREATE INDEX messages_receiver_idx ON yuxi.messages (receiver_session_id, receiver_tree_id, user_id, app_id);
+
+-- The recorded outcome of a side-effecting cooperation tool call, keyed by
+-- (source turn, tool call id): a replay through a later run of the same turn
+-- returns `result` and does nothing; `first_run_id` stays for audit.
+CREATE TABLE yuxi.effects (
+    turn_id uuid NOT NULL,
+    call_id text NOT NULL,
+    session_id uuid NOT NULL,
+    tree_id uuid NOT NULL,
+    user_id uuid NOT NULL,
+    app_id uuid NOT NULL,
+    tool text NOT NULL,
+    fingerprint text NOT NULL,
+    result jsonb NOT NULL,
+    first_run_id uuid NOT NULL REFERENCES yuxi.runs (id),
+    created_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (turn_id, call_id),
+    CONSTRAINT effects_turn_fk FOREIGN KEY (turn_id, session_id, tree_id, user_id, app_id)
+        REFERENCES yuxi.turns (id, session_id, tree_id, user_id, app_id)
+);
+CREATE INDEX effects_owner_idx ON yuxi.effects (turn_id, session_id, tree_id, user_id, app_id);
+
+-- A persisted wake-up condition of a suspended run.
+CREATE TABLE yuxi.waits (
+    id uuid PRIMARY KEY DEFAULT gen_random_uuid(),
+    run_id uuid NOT NULL UNIQUE,
+    turn_id uuid NOT NULL,
+    session_id uuid NOT NULL,
+    tree_id uuid NOT NULL,
+    user_id uuid NOT NULL,
+    app_id uuid NOT NULL,
+    kind text NOT NULL,
+    targets uuid[] NOT NULL,
+    cursor jsonb NOT NULL DEFAULT '{}',
+    deadline timestamptz NOT NULL,
+    status text NOT NULL DEFAULT 'pending',
+    reason text,
+    resume_run_id uuid REFERENCES yuxi.runs (id),
+    created_at timestamptz NOT NULL DEFAULT now(),
+    resolved_at timestamptz,
+    CONSTRAINT waits_run_same_turn_fk FOREIGN KEY (run_id, turn_id) REFERENCES yuxi.runs (id, turn_id),
+    CONSTRAINT waits_turn_fk FOREIGN KEY (turn_id, session_id, tree_id, user_id, app_id)
+        REFERENCES yuxi.turns (id, session_id, tree_id, user_id, app_id),
+    CONSTRAINT waits_kind_known CHECK (kind IN ('sessions', 'inputs')),
+    CONSTRAINT waits_has_targets CHECK (cardinality(targets) > 0),
+    CONSTRAINT waits_not_on_self CHECK (kind <> 'sessions' OR NOT (session_id = ANY(targets))),
+    CONSTRAINT waits_status_known CHECK (status IN ('pending', 'satisfied', 'timed_out', 'cancelled')),
+    CONSTRAINT waits_resolved_iff_not_pending CHECK ((resolved_at IS NULL) = (status = 'pending'))
+);
+CREATE UNIQUE INDEX waits_one_pending_per_turn ON yuxi.waits (turn_id) WHERE status = 'pending';
+CREATE INDEX waits_pending_targets_idx ON yuxi.waits USING gin (targets) WHERE status = 'pending';
+CREATE INDEX waits_owner_idx ON yuxi.waits (turn_id, session_id, tree_id, user_id, app_id);
+CREATE INDEX waits_pending_deadline_idx ON yuxi.waits (deadline) WHERE status = 'pending';
+
+-- Resolve a session reference of a caller: a session id of the caller's user
+-- and app, or a path in the caller's tree ("/root/x"), or a name relative to
+-- the caller ("x" is the caller's child). Paths only locate; scope decides.
+CREATE FUNCTION yuxi.resolve_session_v1(p_caller uuid, p_ref text) RETURNS yuxi.sessions
+    LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_caller yuxi.sessions;
+    v_target yuxi.sessions;
+BEGIN
+    SELECT * INTO v_caller FROM yuxi.sessions WHERE id = p_caller;
+    IF p_ref ~* '^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$' THEN
+        SELECT * INTO v_target FROM yuxi.sessions
+         WHERE id = p_ref::uuid AND user_id = v_caller.user_id AND app_id = v_caller.app_id;
+    ELSIF left(p_ref, 1) = '/' THEN
+        SELECT * INTO v_target FROM yuxi.sessions
+         WHERE tree_id = v_caller.tree_id AND path = p_ref;
+    ELSE
+        SELECT * INTO v_target FROM yuxi.sessions
+         WHERE tree_id = v_caller.tree_id AND path = v_caller.path || '/' || p_ref;
+    END IF;
+    IF v_target.id IS NULL THEN
+        RAISE EXCEPTION 'no session % visible to this session', p_ref USING ERRCODE = 'YX002';
+    END IF;
+    RETURN v_target;
+END;
+$$;
+
+-- Look up the effect of (turn, call). Returns its result when the same
+-- request was recorded, NULL when there is none; a different request under
+-- the same key is refused (YX004).
+CREATE FUNCTION yuxi.find_effect_v1(p_turn uuid, p_call_id text, p_tool text, p_fingerprint text)
+RETURNS jsonb
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_effect yuxi.effects;
+BEGIN
+    SELECT * INTO v_effect FROM yuxi.effects WHERE turn_id = p_turn AND call_id = p_call_id;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    IF v_effect.tool <> p_tool OR v_effect.fingerprint <> p_fingerprint THEN
+        RAISE EXCEPTION 'tool call % of this turn was already recorded with another request',
+            p_call_id USING ERRCODE = 'YX004';
+    END IF;
+    RETURN v_effect.result;
+END;
+$$;
+
+-- Record an effect (in the transaction that performed it).
+CREATE FUNCTION yuxi.record_effect_v1(
+    p_run uuid, p_call_id text, p_tool text, p_fingerprint text, p_result jsonb
+) RETURNS jsonb
+    LANGUAGE sql AS $$
+    INSERT INTO yuxi.effects (turn_id, call_id, session_id, tree_id, user_id, app_id, tool,
+                              fingerprint, result, first_run_id)
+    SELECT turn_id, p_call_id, session_id, tree_id, user_id, app_id, p_tool, p_fingerprint,
+           p_result, id
+      FROM yuxi.runs WHERE id = p_run
+    RETURNING result;
+$$;
+
+-- Create a child of the session whose run dispatches it, with a frozen config,
+-- and submit its first input (exactly the task text). Returns the child id.
+CREATE FUNCTION yuxi.create_child_session_v1(
+    p_parent uuid, p_source_run uuid, p_name text, p_title text, p_agent uuid,
+    p_config jsonb, p_task text
+) RETURNS uuid
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_parent yuxi.sessions;
+    v_child uuid := gen_random_uuid();
+BEGIN
+    IF p_name IS NULL OR p_name !~ '^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$' OR p_name IN ('.', '..') THEN
+        RAISE EXCEPTION 'invalid session name %: use 1-64 letters, digits, ".", "_" or "-", '
+            'starting with a letter or digit (a name, not a path)', coalesce(p_name, 'NULL')
+            USING ERRCODE = 'YX007';
+    END IF;
+    SELECT * INTO v_parent FROM yuxi.sessions WHERE id = p_parent;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'session % not found', p_parent USING ERRCODE = 'YX002';
+    END IF;
+    PERFORM yuxi.lock_tree_v1(v_parent.tree_id);
+    IF EXISTS (SELECT 1 FROM yuxi.sessions
+               WHERE tree_id = v_parent.tree_id AND path = v_parent.path || '/' || p_name) THEN
+        RAISE EXCEPTION 'session % already has a child named %', v_parent.path, p_name
+            USING ERRCODE = 'YX007';
+    END IF;
+    INSERT INTO yuxi.sessions (id, tree_id, parent_id, user_id, app_id, agent_id, name, path,
+                               title, config, source_run_id)
+    VALUES (v_child, v_parent.tree_id, p_parent, v_parent.user_id, v_parent.app_id, p_agent,
+            p_name, v_parent.path || '/' || p_name, p_title, p_config, p_source_run);
+    PERFORM yuxi.emit_event_v1(v_parent.tree_id, v_child, NULL, p_source_run, 'session.created',
+                               jsonb_build_object('path', v_parent.path || '/' || p_name,
+                                                  'title', p_title, 'parent_id', p_parent));
+    PERFORM yuxi.receive_input_v1(v_child, v_parent.user_id, v_parent.app_id, p_task, 'queue',
+                                  '{}', NULL);
+    RETURN v_child;
+END;
+$$;
+
+-- Deliver a cooperation message. It creates no turn and wakes nothing but a
+-- run waiting on the sender (through the message.sent event). Both trees are
+-- locked in id order first, since events are written into both.
+CREATE FUNCTION yuxi.send_message_v1(p_source_run uuid, p_receiver uuid, p_content text)
+RETURNS uuid
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_run yuxi.runs;
+    v_receiver yuxi.sessions;
+    v_message uuid;
+BEGIN
+    SELECT * INTO v_run FROM yuxi.runs WHERE id = p_source_run;
+    SELECT * INTO v_receiver FROM yuxi.sessions
+     WHERE id = p_receiver AND user_id = v_run.user_id AND app_id = v_run.app_id;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'session % not found', p_receiver USING ERRCODE = 'YX002';
+    END IF;
+    IF v_receiver.id = v_run.session_id THEN
+        RAISE EXCEPTION 'a session cannot message itself' USING ERRCODE = 'YX007';
+    END IF;
+    PERFORM yuxi.lock_tree_v1(t) FROM unnest(ARRAY[v_run.tree_id, v_receiver.tree_id]) t ORDER BY t;
+    INSERT INTO yuxi.messages (user_id, app_id, sender_session_id, sender_tree_id,
+                               receiver_session_id, receiver_tree_id, source_run_id, content)
+    VALUES (v_run.user_id, v_run.app_id, v_run.session_id, v_run.tree_id, v_receiver.id,
+            v_receiver.tree_id, p_source_run, p_content)
+    RETURNING id INTO v_message;
+    PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_source_run,
+                               'message.sent',
+                               jsonb_build_object('message_id', v_message, 'to', v_receiver.id));
+    PERFORM yuxi.emit_event_v1(v_receiver.tree_id, v_receiver.id, NULL, NULL, 'message.received',
+                               jsonb_build_object('message_id', v_message,
+                                                  'from', v_run.session_id));
+    RETURN v_message;
+END;
+$$;
+
+-- Cancel a queued turn at once; for a turn in flight record the intent
+-- (its convergence belongs to the cancellation capability). Scope-checked:
+-- the turn must belong to `p_session` of the caller's user and app.
+CREATE FUNCTION yuxi.cancel_turn_v1(p_user uuid, p_app uuid, p_session uuid, p_turn uuid)
+RETURNS text
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_turn yuxi.turns;
+BEGIN
+    SELECT * INTO v_turn FROM yuxi.turns
+     WHERE id = p_turn AND session_id = p_session AND user_id = p_user AND app_id = p_app;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'turn % of session % not found', p_turn, p_session USING ERRCODE = 'YX002';
+    END IF;
+    PERFORM yuxi.lock_tree_v1(v_turn.tree_id);
+    SELECT * INTO v_turn FROM yuxi.turns WHERE id = p_turn FOR UPDATE;
+    IF v_turn.status = 'queued' THEN
+        UPDATE yuxi.turns SET status = 'cancelled', finished_at = now() WHERE id = p_turn;
+        UPDATE yuxi.inputs SET status = 'cancelled', finished_at = now()
+         WHERE turn_id = p_turn AND status IN ('queued', 'started');
+        PERFORM yuxi.emit_event_v1(v_turn.tree_id, v_turn.session_id, p_turn, NULL,
+                                   'turn.cancelled', jsonb_build_object('input_id', v_turn.input_id));
+        RETURN 'cancelled';
+    END IF;
+    IF v_turn.status IN ('completed', 'failed', 'cancelled') THEN
+        RETURN v_turn.status;
+    END IF;
+    UPDATE yuxi.turns SET cancel_requested_at = coalesce(cancel_requested_at, now())
+     WHERE id = p_turn;
+    RETURN 'cancel_requested';
+END;
+$$;
+
+-- The advisory lock key of a wait target (a session): suspending a wait and
+-- committing a fact about its target serialize on it, across trees.
+CREATE FUNCTION yuxi.wait_target_key_v1(p_session uuid) RETURNS bigint
+    LANGUAGE sql IMMUTABLE AS $$
+    SELECT yuxi.lock_key_v1('wait-target:' || p_session::text);
+$$;
+
+-- The sessions a wait's targets stand for (inputs: their sessions).
+CREATE FUNCTION yuxi.wait_target_sessions_v1(p_kind text, p_targets uuid[]) RETURNS uuid[]
+    LANGUAGE sql STABLE AS $$
+    SELECT CASE p_kind
+        WHEN 'sessions' THEN p_targets
+        ELSE ARRAY(SELECT DISTINCT session_id FROM yuxi.inputs WHERE id = ANY(p_targets)) END;
+$$;
+
+-- Updates of `p_targets` a waiter has not consumed: turns of a target
+-- reaching a terminal or waiting state, and messages from a target to the
+-- waiter, after the waiter's per-target cursor (a seq of the target's tree).
+CREATE FUNCTION yuxi.session_updates_v1(p_waiter uuid, p_targets uuid[], p_cursor jsonb)
+RETURNS SETOF yuxi.events
+    LANGUAGE sql STABLE AS $$
+    SELECT e.* FROM unnest(p_targets) AS t(id)
+      JOIN yuxi.sessions s ON s.id = t.id
+      JOIN yuxi.events e ON e.tree_id = s.tree_id AND e.session_id = s.id
+     WHERE e.seq > coalesce((p_cursor->>(s.id::text))::bigint, 0)
+       AND (e.type IN ('turn.completed', 'turn.failed', 'turn.cancelled', 'turn.waiting',
+                       'turn.waiting_user')
+            OR (e.type = 'message.sent' AND e.data->>'to' = p_waiter::text))
+     ORDER BY e.tree_id, e.seq;
+$$;
+
+-- Whether a wait's condition holds now.
+CREATE FUNCTION yuxi.wait_ready_v1(p_waiter uuid, p_kind text, p_targets uuid[], p_cursor jsonb)
+RETURNS boolean
+    LANGUAGE sql STABLE AS $$
+    SELECT CASE p_kind
+        WHEN 'sessions' THEN EXISTS (SELECT 1 FROM yuxi.session_updates_v1(p_waiter, p_targets, p_cursor))
+        ELSE NOT EXISTS (SELECT 1 FROM yuxi.inputs WHERE id = ANY(p_targets)
+                          AND status NOT IN ('completed', 'failed', 'cancelled')) END;
+$$;
+
+-- Create the resume run of a resolved wait, in the waiter's tree (FIFO slot
+-- claim). Idempotent: a wait is resumed at most once.
+CREATE FUNCTION yuxi.resume_wait_v1(p_wait uuid) RETURNS uuid
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_wait yuxi.waits;
+    v_run yuxi.runs;
+    v_new uuid;
+BEGIN
+    SELECT * INTO v_wait FROM yuxi.waits WHERE id = p_wait;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    PERFORM yuxi.lock_tree_v1(v_wait.tree_id);
+    SELECT * INTO v_wait FROM yuxi.waits WHERE id = p_wait FOR UPDATE;
+    IF v_wait.status = 'pending' OR v_wait.resume_run_id IS NOT NULL OR NOT EXISTS (
+        SELECT 1 FROM yuxi.turns WHERE id = v_wait.turn_id AND status = 'waiting') THEN
+        RETURN v_wait.resume_run_id;
+    END IF;
+    SELECT * INTO v_run FROM yuxi.runs WHERE id = v_wait.run_id;
+    INSERT INTO yuxi.runs (turn_id, session_id, tree_id, user_id, app_id, config, resume)
+    VALUES (v_run.turn_id, v_run.session_id, v_run.tree_id, v_run.user_id, v_run.app_id,
+            v_run.config, jsonb_build_object('reason', v_wait.reason, 'wait_id', v_wait.id))
+    RETURNING id INTO v_new;
+    UPDATE yuxi.waits SET resume_run_id = v_new WHERE id = p_wait;
+    UPDATE yuxi.turns SET status = 'running' WHERE id = v_wait.turn_id;
+    PERFORM yuxi.emit_event_v1(v_wait.tree_id, v_wait.session_id, v_wait.turn_id, v_new,
+                               'turn.resumed', jsonb_build_object('reason', v_wait.reason,
+                                                                  'wait_id', v_wait.id));
+    PERFORM yuxi.claim_slot_v1(v_new);
+    RETURN v_new;
+END;
+$$;
+
+-- Resolve a pending wait (satisfied, steer, timeout) at most once. The resume
+-- run is created in this transaction when the waiter is in the tree the
+-- caller already holds; otherwise a job creates it (taking another tree's
+-- lock here could deadlock with a waiter suspending on our target).
+CREATE FUNCTION yuxi.resolve_wait_v1(p_wait uuid, p_reason text, p_held_tree uuid)
+RETURNS boolean
+    LANGUAGE plpgsql
+    SET search_path = procrastinate, pg_catalog
+AS $$
+DECLARE
+    v_wait yuxi.waits;
+BEGIN
+    UPDATE yuxi.waits
+       SET status = CASE p_reason WHEN 'timeout' THEN 'timed_out' ELSE 'satisfied' END,
+           reason = p_reason, resolved_at = now()
+     WHERE id = p_wait AND status = 'pending'
+    RETURNING * INTO v_wait;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    IF v_wait.tree_id = p_held_tree THEN
+        PERFORM yuxi.resume_wait_v1(p_wait);
+    ELSE
+        PERFORM procrastinate_defer_jobs_v1(ARRAY[ROW(
+            'maintenance', 'resume_wait', 0, NULL, NULL,
+            jsonb_build_object('wait_id', p_wait), NULL)::procrastinate_job_to_defer_v1]);
+    END IF;
+    RETURN true;
+END;
+$$;
+
+-- Called for every event of the kinds waits look at (from emit_event_v1):
+-- resolve the pending waits whose condition the event makes true.
+CREATE FUNCTION yuxi.match_waits_v1(p_tree uuid, p_session uuid, p_turn uuid, p_type text,
+                                    p_data jsonb) RETURNS void
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_wait uuid;
+BEGIN
+    PERFORM pg_advisory_xact_lock(yuxi.wait_target_key_v1(p_session));
+    FOR v_wait IN
+        SELECT id FROM yuxi.waits
+         WHERE status = 'pending' AND kind = 'sessions' AND targets @> ARRAY[p_session]
+           AND (p_type <> 'message.sent' OR session_id = (p_data->>'to')::uuid)
+         ORDER BY id FOR UPDATE
+    LOOP
+        PERFORM yuxi.resolve_wait_v1(v_wait, 'satisfied', p_tree);
+    END LOOP;
+    IF p_type IN ('turn.completed', 'turn.failed', 'turn.cancelled') THEN
+        FOR v_wait IN
+            SELECT w.id FROM yuxi.waits w
+             WHERE w.status = 'pending' AND w.kind = 'inputs'
+               AND w.targets && ARRAY(SELECT id FROM yuxi.inputs WHERE turn_id = p_turn)
+               AND yuxi.wait_ready_v1(w.session_id, w.kind, w.targets, w.cursor)
+             ORDER BY w.id FOR UPDATE
+        LOOP
+            PERFORM yuxi.resolve_wait_v1(v_wait, 'satisfied', p_tree);
+        END LOOP;
+    END IF;
+END;
+$$;
+
+-- Suspend a run on a wait (the tool called `interrupt()`): unless the
+-- condition already holds ('ready') or the wait would close a cycle of
+-- sessions waiting on each other ('cycle'), store the wait, release the slot
+-- (the worker job ends too), put the turn in `waiting` and schedule the
+-- deadline. Returns 'suspended', 'ready' or 'cycle'.
+CREATE FUNCTION yuxi.suspend_run_v1(
+    p_run uuid, p_token uuid, p_kind text, p_targets uuid[], p_cursor jsonb,
+    p_timeout_seconds double precision
+) RETURNS text
+    LANGUAGE plpgsql
+    SET search_path = procrastinate, pg_catalog
+AS $$
+DECLARE
+    v_run yuxi.runs;
+    v_wait uuid;
+    v_deadline timestamptz;
+BEGIN
+    v_run := yuxi.fence_run_v1(p_run, p_token);
+    -- Wait creation of one scope is serialized, so two sessions cannot each
+    -- miss the other's new wait and close a cycle together.
+    PERFORM pg_advisory_xact_lock(yuxi.lock_key_v1('waits:' || v_run.user_id || ':' || v_run.app_id));
+    PERFORM pg_advisory_xact_lock(yuxi.wait_target_key_v1(t))
+       FROM unnest(yuxi.wait_target_sessions_v1(p_kind, p_targets)) t ORDER BY t;
+    IF p_kind = 'sessions' AND v_run.session_id IN (
+        WITH RECURSIVE reach(session_id) AS (
+            SELECT unnest(p_targets)
+            UNION
+            SELECT unnest(w.targets) FROM yuxi.waits w JOIN reach r ON w.session_id = r.session_id
+             WHERE w.status = 'pending' AND w.kind = 'sessions')
+        SELECT session_id FROM reach) THEN
+        RETURN 'cycle';
+    END IF;
+    IF yuxi.wait_ready_v1(v_run.session_id, p_kind, p_targets, p_cursor) THEN
+        RETURN 'ready';
+    END IF;
+    v_deadline := now() + make_interval(secs => greatest(p_timeout_seconds, 0));
+    INSERT INTO yuxi.waits (run_id, turn_id, session_id, tree_id, user_id, app_id, kind,
+                            targets, cursor, deadline)
+    VALUES (p_run, v_run.turn_id, v_run.session_id, v_run.tree_id, v_run.user_id, v_run.app_id,
+            p_kind, p_targets, coalesce(p_cursor, '{}'), v_deadline)
+    RETURNING id INTO v_wait;
+    UPDATE yuxi.runs SET status = 'suspended', finished_at = now() WHERE id = p_run;
+    UPDATE yuxi.turns SET status = 'waiting' WHERE id = v_run.turn_id;
+    PERFORM yuxi.release_slot_v1(p_run);
+    PERFORM procrastinate_defer_jobs_v1(ARRAY[ROW(
+        'maintenance', 'expire_wait', 0, NULL, NULL,
+        jsonb_build_object('wait_id', v_wait), v_deadline)::procrastinate_job_to_defer_v1]);
+    PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
+                               'run.suspended',
+                               jsonb_build_object('wait_id', v_wait, 'kind', p_kind,
+                                                  'targets', to_jsonb(p_targets),
+                                                  'deadline', v_deadline));
+    PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
+                               'turn.waiting', jsonb_build_object('wait_id', v_wait));
+    RETURN 'suspended';
+END;
+$$;
+
+-- The deadline of a wait passed (its scheduled job, or the sweep): resume it
+-- with the timeout result unless it was resolved before.
+CREATE FUNCTION yuxi.expire_wait_v1(p_wait uuid) RETURNS boolean
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_wait yuxi.waits;
+BEGIN
+    SELECT * INTO v_wait FROM yuxi.waits WHERE id = p_wait;
+    IF NOT FOUND OR v_wait.status <> 'pending' OR v_wait.deadline > now() THEN
+        RETURN false;
+    END IF;
+    PERFORM yuxi.lock_tree_v1(v_wait.tree_id);
+    RETURN yuxi.resolve_wait_v1(p_wait, 'timeout', v_wait.tree_id);
+END;
+$$;
+
+-- Sweep: expire waits past their deadline whose job was lost, and resume
+-- resolved waits whose resume run was never created. Returns how many.
+CREATE FUNCTION yuxi.redeliver_waits_v1(p_grace interval) RETURNS integer
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_wait uuid;
+    v_count integer := 0;
+BEGIN
+    FOR v_wait IN SELECT id FROM yuxi.waits
+                   WHERE status = 'pending' AND deadline < now() - p_grace LOOP
+        IF yuxi.expire_wait_v1(v_wait) THEN
+            v_count := v_count + 1;
+        END IF;
+    END LOOP;
+    FOR v_wait IN SELECT w.id FROM yuxi.waits w JOIN yuxi.turns t ON t.id = w.turn_id
+                   WHERE w.status <> 'pending' AND w.status <> 'cancelled'
+                     AND w.resume_run_id IS NULL AND t.status = 'waiting'
+                     AND w.resolved_at < now() - p_grace LOOP
+        IF yuxi.resume_wait_v1(v_wait) IS NOT NULL THEN
+            v_count := v_count + 1;
+        END IF;
+    END LOOP;
+    RETURN v_count;
+END;
+$$;
