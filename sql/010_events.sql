@@ -2,7 +2,7 @@
 -- code in yuxi/errors.py, never by message text):
 --   YX001 illegal transition   YX002 not found   YX003 lease lost
 --   YX004 idempotency conflict   YX005 waiting for the user
---   YX006 permission denied
+--   YX006 permission denied   YX007 invalid request (names, self-targets)
 
 -- A 64-bit advisory lock key for a named thing ("session:<id>", ...).
 CREATE FUNCTION yuxi.lock_key_v1(p_name text) RETURNS bigint

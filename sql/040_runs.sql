@@ -61,7 +61,10 @@ END;
 $$;
 
 -- Lock the tree, then the run, and return the run if the token holds its
--- lease; raise YX003 otherwise. The start of every fenced transition.
+-- lease; raise YX003 otherwise. The start of every fenced transition. The run
+-- row is share-locked: tool transactions of the same run hold it shared too
+-- (check_lease_v1) while they wait for the tree, so an exclusive lock here
+-- would deadlock with them; the transitions that end the run upgrade it.
 CREATE FUNCTION yuxi.fence_run_v1(p_run uuid, p_token uuid) RETURNS yuxi.runs
     LANGUAGE plpgsql AS $$
 DECLARE
@@ -72,7 +75,7 @@ BEGIN
         RAISE EXCEPTION 'run % not found', p_run USING ERRCODE = 'YX002';
     END IF;
     PERFORM yuxi.lock_tree_v1(v_run.tree_id);
-    SELECT * INTO v_run FROM yuxi.runs WHERE id = p_run FOR UPDATE;
+    SELECT * INTO v_run FROM yuxi.runs WHERE id = p_run FOR SHARE;
     IF v_run.status <> 'running' OR v_run.lease_token IS DISTINCT FROM p_token
        OR v_run.lease_expires_at <= clock_timestamp() THEN
         RAISE EXCEPTION 'lease of run % is lost', p_run USING ERRCODE = 'YX003';

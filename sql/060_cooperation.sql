@@ -500,3 +500,22 @@ BEGIN
     RETURN v_count;
 END;
 $$;
+
+-- Record that messages reached the receiver's conversation (the run that
+-- took them in), fenced by that run's lease.
+CREATE FUNCTION yuxi.mark_messages_processed_v1(p_run uuid, p_token uuid, p_messages uuid[])
+RETURNS integer
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_run yuxi.runs;
+    v_count integer;
+BEGIN
+    PERFORM yuxi.check_lease_v1(p_run, p_token);
+    SELECT * INTO v_run FROM yuxi.runs WHERE id = p_run;
+    UPDATE yuxi.messages SET processed_at = now(), processed_run_id = p_run
+     WHERE id = ANY(p_messages) AND receiver_session_id = v_run.session_id
+       AND processed_at IS NULL;
+    GET DIAGNOSTICS v_count = ROW_COUNT;
+    RETURN v_count;
+END;
+$$;

@@ -134,6 +134,7 @@ LIMIT %(limit)s;
 
 -- name: start_run
 SELECT r.id, r.turn_id, r.session_id, r.tree_id, r.user_id, r.app_id, r.attempt, r.config,
+       r.resume,
        t.input_id, i.content AS input_content,
        s.name AS session_name, s.path AS session_path, s.parent_id AS session_parent_id
 FROM yuxi.start_run_v1(%(run_id)s, %(token)s, %(lease_seconds)s) r
@@ -216,3 +217,79 @@ SELECT 'runs', r.status, count(*) FROM yuxi.runs r GROUP BY r.status
 UNION ALL
 SELECT 'turns', t.status, count(*) FROM yuxi.turns t GROUP BY t.status
 ORDER BY 1, 2;
+
+-- Cooperation (tools) -------------------------------------------------------
+
+-- name: find_effect
+SELECT yuxi.find_effect_v1(%(turn_id)s, %(call_id)s, %(tool)s, %(fingerprint)s) AS result;
+
+-- name: record_effect
+SELECT yuxi.record_effect_v1(%(run_id)s, %(call_id)s, %(tool)s, %(fingerprint)s, %(result)s) AS result;
+
+-- name: resolve_session
+SELECT id, tree_id, parent_id, name, path, title FROM yuxi.resolve_session_v1(%(caller)s, %(ref)s);
+
+-- name: create_child_session
+SELECT yuxi.create_child_session_v1(%(parent)s, %(run_id)s, %(name)s, %(title)s, %(agent_id)s,
+                                    %(config)s, %(task)s) AS id;
+
+-- name: first_input_of
+SELECT i.id AS input_id, i.turn_id, s.path FROM yuxi.inputs i JOIN yuxi.sessions s ON s.id = i.session_id
+WHERE i.session_id = %(session_id)s ORDER BY i.seq LIMIT 1;
+
+-- name: send_message
+SELECT yuxi.send_message_v1(%(run_id)s, %(receiver)s, %(content)s) AS id;
+
+-- name: cancel_turn
+SELECT yuxi.cancel_turn_v1(%(user_id)s, %(app_id)s, %(session_id)s, %(turn_id)s) AS status;
+
+-- name: session_updates
+SELECT e.tree_id, e.seq, e.session_id, e.turn_id, e.type, e.data, s.path
+FROM yuxi.session_updates_v1(%(waiter)s, %(targets)s, %(cursor)s) e
+JOIN yuxi.sessions s ON s.id = e.session_id;
+
+-- name: inputs_state
+SELECT id AS input_id, status, turn_id, session_id FROM yuxi.inputs
+WHERE id = ANY(%(ids)s) AND user_id = %(user_id)s AND app_id = %(app_id)s;
+
+-- name: suspend_run
+SELECT yuxi.suspend_run_v1(%(run_id)s, %(token)s, %(kind)s, %(targets)s, %(cursor)s,
+                           %(timeout)s) AS outcome;
+
+-- name: resume_wait
+SELECT yuxi.resume_wait_v1(%(wait_id)s) AS run_id;
+
+-- name: expire_wait
+SELECT yuxi.expire_wait_v1(%(wait_id)s) AS expired;
+
+-- name: redeliver_waits
+SELECT yuxi.redeliver_waits_v1(%(grace)s) AS n;
+
+-- name: turn_of_input_or_turn
+SELECT t.id FROM yuxi.turns t
+WHERE (t.id = %(id)s OR t.input_id = %(id)s
+       OR t.id = (SELECT turn_id FROM yuxi.inputs WHERE id = %(id)s))
+  AND t.user_id = %(user_id)s AND t.app_id = %(app_id)s
+LIMIT 1;
+
+-- name: tree_sessions
+SELECT v.session_id AS id, s.parent_id, s.name, v.path, s.title, v.status, v.current_turn_id,
+       v.queue_length, v.queue_paused, s.created_at
+FROM yuxi.session_status_v v JOIN yuxi.sessions s ON s.id = v.session_id
+WHERE v.tree_id = %(tree_id)s AND v.user_id = %(user_id)s AND v.app_id = %(app_id)s
+  AND (%(parent)s::uuid IS NULL OR s.parent_id = %(parent)s::uuid)
+  AND v.path > %(after)s
+ORDER BY v.path
+LIMIT %(limit)s;
+
+-- name: tree_slots
+SELECT slot_capacity - held AS free, held, waiting FROM yuxi.tree_slots_v WHERE tree_id = %(tree_id)s;
+
+-- name: unprocessed_messages
+SELECT m.id, m.content, s.path AS sender_path, m.sender_session_id
+FROM yuxi.messages m JOIN yuxi.sessions s ON s.id = m.sender_session_id
+WHERE m.receiver_session_id = %(session_id)s AND m.processed_at IS NULL
+ORDER BY m.seq;
+
+-- name: mark_messages_processed
+SELECT yuxi.mark_messages_processed_v1(%(run_id)s, %(token)s, %(message_ids)s) AS marked;

@@ -1,8 +1,9 @@
 """Tasks: thin wrappers that call services in yuxi/.
 
-`execute_run` executes one run; `recover_runs` is the periodic sweep that
-recovers runs whose lease expired, retries jobs of dead workers and
-re-delivers jobs lost between commit and pickup.
+`execute_run` executes one run; `resume_wait` and `expire_wait` resume
+suspended turns; `recover_runs` is the periodic sweep that recovers runs whose
+lease expired, retries jobs of dead workers and re-delivers jobs and waits
+lost between commit and pickup.
 """
 
 from __future__ import annotations
@@ -46,6 +47,19 @@ async def execute_run(run_id: str) -> str:
     return outcome
 
 
+@app.task(name="resume_wait", queue="maintenance")
+async def resume_wait(wait_id: str) -> str | None:
+    """Create the resume run of a wait resolved from another tree."""
+    run_id = await runs.resume_wait((await _executor()).pool, uuid.UUID(wait_id))
+    return str(run_id) if run_id else None
+
+
+@app.task(name="expire_wait", queue="maintenance")
+async def expire_wait(wait_id: str) -> bool:
+    """A wait's deadline: resume it with the timeout result if still pending."""
+    return await runs.expire_wait((await _executor()).pool, uuid.UUID(wait_id))
+
+
 @app.periodic(cron="* * * * * */2")
 @app.task(name="recover_runs", queue="maintenance", pass_context=True,
           queueing_lock="recover_runs")
@@ -58,5 +72,6 @@ async def recover_runs(context: JobContext, timestamp: int) -> dict[str, int]:
         # execute_run is idempotent: a retried job whose run moved on is a no-op.
         await app.job_manager.retry_job(job)
     redelivered = await runs.redeliver_ready(executor.pool, dt.timedelta(seconds=30))
+    waits = await runs.redeliver_waits(executor.pool, dt.timedelta(seconds=5))
     return {"recovered": len(recovered), "stalled": len(list(stalled)),
-            "redelivered": len(redelivered)}
+            "redelivered": len(redelivered), "waits": waits}

@@ -81,6 +81,7 @@ _BY_SQLSTATE: dict[str, type[YuxiError]] = {
     "YX004": Conflict,
     "YX005": WaitingForUser,
     "YX006": PermissionDenied,
+    "YX007": InvalidRequest,
 }
 
 

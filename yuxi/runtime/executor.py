@@ -15,12 +15,14 @@ import uuid
 from typing import Any
 
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+from langgraph.types import Command
 from psycopg_pool import AsyncConnectionPool
 
 from yuxi.errors import LeaseLost, YuxiError
 from yuxi.runtime.graph import build_graph
 from yuxi.runtime.models import build_chat_model
 from yuxi.runtime.saver import FencedSaver
+from yuxi.runtime import cooperation
 from yuxi.runtime.tools import ToolContext, available_tools
 from yuxi.services import resources, runs
 from yuxi.settings import Settings
@@ -64,23 +66,41 @@ def steer_message(input_id: uuid.UUID | str, content: str) -> HumanMessage:
                         additional_kwargs={"yuxi": {"steer": True, "input_id": str(input_id)}})
 
 
+def cooperation_message(row: dict[str, Any]) -> HumanMessage:
+    # Cooperation text is context, never the user's authorization.
+    return HumanMessage(
+        content=f"[cooperation message from {row['sender_path']} "
+                f"(session {row['sender_session_id']})]\n{row['content']}",
+        id=f"message:{row['id']}",
+        additional_kwargs={"yuxi": {"message_id": str(row["id"]),
+                                    "from": str(row["sender_session_id"])}})
+
+
 class SteerInbox:
-    """Steers of the run's turn not yet in its conversation, oldest first."""
+    """What reaches the run's conversation at a safe boundary: steers of its
+    turn and cooperation messages to its session not yet in it, oldest first."""
 
     def __init__(self, pool: AsyncConnectionPool, run: dict[str, Any], token: uuid.UUID) -> None:
         self.pool, self.run, self.token = pool, run, token
 
     async def take(self, messages: list[Any]) -> list[HumanMessage]:
         present = {m.id for m in messages}
-        fresh = [steer_message(s["id"], s["content"])
-                 for s in await runs.turn_steers(self.pool, self.run["turn_id"],
-                                                 self.run["input_id"])
-                 if f"input:{s['id']}" not in present]
-        if fresh:
+        steers = [steer_message(s["id"], s["content"])
+                  for s in await runs.turn_steers(self.pool, self.run["turn_id"],
+                                                  self.run["input_id"])
+                  if f"input:{s['id']}" not in present]
+        notes = [cooperation_message(m)
+                 for m in await runs.unprocessed_messages(self.pool, self.run["session_id"])
+                 if f"message:{m['id']}" not in present]
+        if steers:
             await runs.mark_steers_delivered(
                 self.pool, self.run["id"], self.token,
-                [uuid.UUID(m.id.removeprefix("input:")) for m in fresh])
-        return fresh
+                [uuid.UUID(m.id.removeprefix("input:")) for m in steers])
+        if notes:
+            await runs.mark_messages_processed(
+                self.pool, self.run["id"], self.token,
+                [uuid.UUID(m.id.removeprefix("message:")) for m in notes])
+        return notes + steers
 
 
 def delivered_steers(messages: list[Any], input_id: str) -> list[uuid.UUID]:
@@ -94,14 +114,22 @@ def identity_message(run: dict[str, Any]) -> SystemMessage:
     """The session's identity, loaded once per run and given to every model
     call of the run (never stored in the conversation)."""
     parent = run["session_parent_id"] or "none (root session)"
-    return SystemMessage(
-        content=(
-            f"You are Yuxi session '{run['session_name']}' at path {run['session_path']} "
+    text = (f"You are Yuxi session '{run['session_name']}' at path {run['session_path']} "
             f"(session id {run['session_id']}, parent {parent}, tree {run['tree_id']}, "
-            f"run {run['id']})."
-        ),
-        id=f"identity:{run['id']}",
-    )
+            f"run {run['id']}).")
+    if run["session_parent_id"]:
+        text += (" You were created by your parent session to do the task in your first "
+                 "input: deliver that task first; do not act as the orchestrator of the "
+                 "parent's work.")
+    return SystemMessage(content=text, id=f"identity:{run['id']}")
+
+
+def selected_tools(config: dict[str, Any]) -> list[str]:
+    """Tool names of a config; "cooperation" stands for the eight tools."""
+    names: list[str] = []
+    for name in config.get("tools", []):
+        names.extend(cooperation.COOPERATION_TOOLS if name == "cooperation" else [name])
+    return list(dict.fromkeys(names))
 
 
 def input_message(run: dict[str, Any]) -> HumanMessage:
@@ -122,21 +150,38 @@ def turn_output(messages: list[Any], input_id: str) -> dict[str, Any]:
     raise RuntimeError("the turn ended without an answer")
 
 
+class Suspended(Exception):
+    """The graph stopped at an interrupt (a wait tool); `value` says on what."""
+
+    def __init__(self, value: dict[str, Any]) -> None:
+        super().__init__("suspended")
+        self.value = value
+
+
 async def drive(graph: Any, cfg: dict[str, Any], run: dict[str, Any],
-                extra: list[Any] = ()) -> tuple[dict[str, Any], list[uuid.UUID]]:
+                extra: list[Any] = (), resume: dict[str, Any] | None = None,
+                ) -> tuple[dict[str, Any], list[uuid.UUID]]:
     """Run the graph from wherever the checkpoint says this turn is; `extra`
-    messages (late steers) start one more model call of a finished turn.
-    Returns the turn's output and the steers its conversation holds."""
+    messages (late steers) start one more model call of a finished turn;
+    `resume` answers the pending interrupt of a suspended one. Returns the
+    turn's output and the steers its conversation holds; raises Suspended
+    when a wait tool interrupted the graph."""
     first = input_message(run)
     state = await graph.aget_state(cfg)
     messages = state.values.get("messages", []) if state.values else []
     if not any(m.id == first.id for m in messages):
         await graph.ainvoke({"messages": [first, *extra]}, cfg, durability="sync")
+    elif state.next and state.interrupts:
+        await graph.ainvoke(Command(resume=resume or {"reason": "retry"}), cfg,
+                            durability="sync")
     elif state.next:
         await graph.ainvoke(None, cfg, durability="sync")
     elif extra:
         await graph.ainvoke({"messages": list(extra)}, cfg, durability="sync")
-    messages = (await graph.aget_state(cfg)).values["messages"]
+    state = await graph.aget_state(cfg)
+    if state.interrupts:
+        raise Suspended(state.interrupts[0].value)
+    messages = state.values["messages"]
     return turn_output(messages, first.id), delivered_steers(messages, first.id)
 
 
@@ -165,7 +210,7 @@ class RunExecutor:
                 return "lease_lost"
             keeper.cancel()
             try:
-                work.result()
+                outcome = work.result()
             except LeaseLost:
                 return "lease_lost"
             except Exception as exc:
@@ -174,7 +219,7 @@ class RunExecutor:
                          else f"{type(exc).__name__}: {exc}")
                 await runs.fail(self.pool, run_id, token, error)
                 return "failed"
-            return "completed"
+            return outcome
         except LeaseLost:
             return "lease_lost"
         finally:
@@ -193,9 +238,10 @@ class RunExecutor:
             except Exception:  # a transient database error: try again
                 log.exception("heartbeat of run %s failed", run_id)
 
-    async def _run_turn(self, run: dict[str, Any], token: uuid.UUID) -> None:
+    async def _run_turn(self, run: dict[str, Any], token: uuid.UUID) -> str:
         """Drive the graph and complete the run; a steer that arrived while the
-        model produced the final answer gets one more model call."""
+        model produced the final answer gets one more model call; a wait tool
+        suspends the run (unless its condition already holds)."""
         # Visibility is resolved with the user's grants as they are now; an
         # explicitly selected resource that lost its grant fails the run
         # before any model call.
@@ -204,10 +250,22 @@ class RunExecutor:
         resources.require_all_granted(visible)
         graph, cfg = self._graph(run, token, visible)
         extra: list[Any] = []
+        resume = run.get("resume")
         while True:
-            output, delivered = await drive(graph, cfg, run, extra)
+            try:
+                output, delivered = await drive(graph, cfg, run, extra, resume)
+            except Suspended as stop:
+                wait = stop.value
+                outcome = await runs.suspend(
+                    self.pool, run["id"], token, wait["kind"],
+                    [uuid.UUID(t) for t in wait["targets"]], wait["cursor"], wait["timeout_s"])
+                if outcome == "suspended":
+                    return "suspended"
+                resume, extra = {"reason": outcome}, []  # ready or cycle: answer at once
+                continue
             if await runs.complete(self.pool, run["id"], token, output, delivered):
-                return
+                return "completed"
+            resume = None
             extra = await SteerInbox(self.pool, run, token).take(
                 (await graph.aget_state(cfg)).values["messages"])
 
@@ -224,14 +282,16 @@ class RunExecutor:
         preamble = [identity_message(run)]
         if config.get("system_prompt"):
             preamble.append(SystemMessage(content=config["system_prompt"], id="system"))
-        tools = available_tools(config.get("tools", []), list(visible))
+        tools = available_tools(selected_tools(config), list(visible))
         reporter = EventReporter(self.pool, run["id"], token, run["turn_id"])
         graph = build_graph(model, tools, reporter, preamble=preamble,
                             checkpointer=FencedSaver(self.checkpoint_pool, run["id"], token),
                             inbox=SteerInbox(self.pool, run, token),
-                            tool_context=lambda call_id: ToolContext(
+                            tool_context=lambda call_id, cursors, waits_in_step: ToolContext(
                                 pool=self.pool, run_id=run["id"], token=token,
-                                call_id=call_id, visible=tuple(visible)))
+                                call_id=call_id, visible=tuple(visible), run=run,
+                                cursors=cursors, waits_in_step=waits_in_step,
+                                default_model=self.settings.default_model))
         cfg = {"configurable": {"thread_id": str(run["session_id"])},
                "recursion_limit": 2 * int(config.get("max_steps", 25)) + 2}
         return graph, cfg

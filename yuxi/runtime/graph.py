@@ -19,12 +19,24 @@ from langgraph.types import Send
 from yuxi.runtime.tools import Tool, ToolContext, call_tool
 
 
+def merge_cursors(old: dict[str, int] | None, new: dict[str, int] | None) -> dict[str, int]:
+    """Consumption cursors only move forward."""
+    merged = dict(old or {})
+    for key, seq in (new or {}).items():
+        merged[key] = max(seq, merged.get(key, 0))
+    return merged
+
+
 class AgentState(TypedDict):
     messages: Annotated[list[AnyMessage], add_messages]
+    # Per-target consumption cursors of wait_sessions, saved with the checkpoint.
+    cursors: Annotated[dict[str, int], merge_cursors]
 
 
 class ToolCallState(TypedDict):
     call: dict[str, Any]
+    cursors: dict[str, int]
+    waits_in_step: int
 
 
 class Inbox(Protocol):
@@ -62,7 +74,7 @@ def build_graph(
     preamble: list[SystemMessage],
     checkpointer: BaseCheckpointSaver | None,
     inbox: Inbox | None = None,
-    tool_context: Callable[[str], ToolContext] | None = None,
+    tool_context: Callable[..., ToolContext] | None = None,
 ):
     """Compile the graph of one run. `preamble` (identity, system prompt) is
     prepended to every model call and never stored in the conversation.
@@ -83,20 +95,24 @@ def build_graph(
     def route(state: AgentState) -> Any:
         last = state["messages"][-1]
         if isinstance(last, AIMessage) and last.tool_calls:
-            return [Send("tool", {"call": call}) for call in last.tool_calls]
+            waits = sum(1 for c in last.tool_calls if c["name"] in tools and tools[c["name"]].waits)
+            cursors = state.get("cursors") or {}
+            return [Send("tool", {"call": call, "cursors": cursors, "waits_in_step": waits})
+                    for call in last.tool_calls]
         return END
 
     async def run_tool(state: ToolCallState) -> dict[str, Any]:
         call = state["call"]
         await reporter.tool_started(call)
-        ctx = tool_context(call["id"]) if tool_context else None
-        result = await call_tool(tools, ctx, call["name"], call.get("args") or {})
+        ctx = tool_context(call["id"], state.get("cursors") or {},
+                           state.get("waits_in_step", 0)) if tool_context else None
+        result, cursors = await call_tool(tools, ctx, call["name"], call.get("args") or {})
         await reporter.tool_finished(call, result)
         message = ToolMessage(
             content=result, tool_call_id=call["id"], name=call["name"],
             id=tool_message_id(call["id"]),
         )
-        return {"messages": [message]}
+        return {"messages": [message], "cursors": cursors} if cursors else {"messages": [message]}
 
     graph = StateGraph(AgentState)
     graph.add_node("model", call_model)

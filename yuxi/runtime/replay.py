@@ -214,10 +214,27 @@ def _compile(source: str) -> jinja2.Template:
     return _ENV.from_string(source)
 
 
-def _render(value: Any, variables: dict[str, Any], path: str) -> Any:
-    """Render every string inside ``value`` (recursing into dicts and lists)."""
+# A tool argument that is one whole expression, "{{ expr }}", keeps the
+# expression's native value (a list of ids, a number), so scripts can pass
+# earlier results on: {"input_ids": "{{ results|map(attribute='input_id')|list }}"}.
+_WHOLE_EXPRESSION = re.compile(r"^\{\{(?P<expr>(?:(?!\}\}).)*)\}\}$", re.S)
+
+
+@functools.lru_cache(maxsize=1024)
+def _compile_expression(source: str):
+    return _ENV.compile_expression(source, undefined_to_none=False)
+
+
+def _render(value: Any, variables: dict[str, Any], path: str, native: bool = False) -> Any:
+    """Render every string inside ``value`` (recursing into dicts and lists);
+    with `native`, a whole-expression string keeps its value's type."""
     if isinstance(value, str):
         try:
+            if native and (whole := _WHOLE_EXPRESSION.match(value)):
+                result = _compile_expression(whole["expr"])(**variables)
+                if isinstance(result, jinja2.Undefined):
+                    str(result)  # raises UndefinedError like rendering would
+                return result
             return _compile(value).render(variables)
         # Any failure while rendering user-written templates (undefined names,
         # sandbox violations, a TypeError inside an expression...) is the
@@ -227,9 +244,9 @@ def _render(value: Any, variables: dict[str, Any], path: str) -> Any:
                 f"{path}: template {value!r} failed: {type(exc).__name__}: {exc}"
             ) from exc
     if isinstance(value, dict):
-        return {k: _render(v, variables, f"{path}.{k}") for k, v in value.items()}
+        return {k: _render(v, variables, f"{path}.{k}", native) for k, v in value.items()}
     if isinstance(value, list):
-        return [_render(v, variables, f"{path}[{i}]") for i, v in enumerate(value)]
+        return [_render(v, variables, f"{path}[{i}]", native) for i, v in enumerate(value)]
     return value
 
 
@@ -300,7 +317,8 @@ class ReplayChatModel(BaseChatModel):
             call_path = f"{path}.call[{i}]"
             tool_calls.append({
                 "name": _render(call["tool"], variables, f"{call_path}.tool"),
-                "args": _render(call.get("args", {}), variables, f"{call_path}.args"),
+                "args": _render(call.get("args", {}), variables, f"{call_path}.args",
+                                native=True),
                 "id": f"call-{turn.key}-{k}-{i}",
                 "type": "tool_call",
             })

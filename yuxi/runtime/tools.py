@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
+from langgraph.errors import GraphBubbleUp
 from psycopg_pool import AsyncConnectionPool
 
 from yuxi import db
@@ -22,14 +23,20 @@ from yuxi.services.resources import Resolved
 
 
 class ToolContext(msgspec.Struct, frozen=True):
-    """What a tool call may use: the run it belongs to (and its lease), and
-    the resources resolved visible when the run started."""
+    """What a tool call may use: the run it belongs to (its row from
+    start_run and its lease), the resources resolved visible when the run
+    started, and the conversation state tools may read (wait cursors)."""
 
     pool: AsyncConnectionPool
     run_id: uuid.UUID
     token: uuid.UUID
     call_id: str
     visible: tuple[Resolved, ...] = ()
+    run: dict[str, Any] = {}
+    cursors: dict[str, int] = {}
+    # Wait tools called by the same model message (one wait per step).
+    waits_in_step: int = 0
+    default_model: str = "replay"
 
     def visible_resource(self, kind: str, name: str) -> uuid.UUID:
         for r in self.visible:
@@ -48,10 +55,19 @@ class ToolError(Exception):
         self.message = message
 
 
+class ToolOutput(msgspec.Struct, frozen=True):
+    """A tool result plus state the tool updates (wait cursors)."""
+
+    result: Any
+    cursors: dict[str, int] = {}
+
+
 class Tool(msgspec.Struct, frozen=True):
     fn: ToolFn
     # The tool group whose grant the tool needs (None: always available).
     group: str | None = None
+    # Tools that suspend the run until something happens (one per step).
+    waits: bool = False
 
 
 async def _echo(ctx: ToolContext, args: dict[str, Any]) -> Any:
@@ -87,6 +103,10 @@ BUILTIN_TOOLS: dict[str, Tool] = {
 }
 
 
+def register(name: str, tool: Tool) -> None:
+    BUILTIN_TOOLS[name] = tool
+
+
 def available_tools(selected: list[str], visible: list[Resolved]) -> dict[str, Tool]:
     """The selected builtin tools whose group (if any) is visible to the run."""
     groups = {r.name for r in visible if r.kind == "tool_group" and r.granted}
@@ -99,14 +119,21 @@ def error_result(code: str, message: str) -> dict[str, Any]:
 
 
 async def call_tool(tools: dict[str, Tool], ctx: ToolContext, name: str,
-                    args: dict[str, Any]) -> str:
-    """Run one tool call and return its result as JSON text."""
+                    args: dict[str, Any]) -> tuple[str, dict[str, int]]:
+    """Run one tool call: its result as JSON text, and cursor updates."""
     tool = tools.get(name)
+    cursors: dict[str, int] = {}
     if tool is None:
         result: Any = error_result("unknown_tool", f"no tool named {name!r} is available")
+    elif not isinstance(args, dict):
+        result = error_result("invalid_arguments", "tool arguments must be an object")
     else:
         try:
             result = await tool.fn(ctx, args)
+            if isinstance(result, ToolOutput):
+                result, cursors = result.result, result.cursors
+        except GraphBubbleUp:  # interrupt(): the run suspends here
+            raise
         except ToolError as exc:
             result = error_result(exc.code, exc.message)
         except LeaseLost:
@@ -115,4 +142,4 @@ async def call_tool(tools: dict[str, Tool], ctx: ToolContext, name: str,
             result = error_result(exc.code, exc.message)
         except Exception as exc:  # a failing tool is the model's problem to handle
             result = error_result("tool_failed", f"{type(exc).__name__}: {exc}")
-    return msgspec.json.encode(result).decode()
+    return msgspec.json.encode(result).decode(), cursors

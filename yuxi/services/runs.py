@@ -71,6 +71,19 @@ async def turn_steers(
         return await db.fetch_all(conn, "turn_steers", {"turn_id": turn_id, "input_id": input_id})
 
 
+async def unprocessed_messages(pool: AsyncConnectionPool,
+                               session_id: uuid.UUID) -> list[dict[str, Any]]:
+    async with pool.connection() as conn:
+        return await db.fetch_all(conn, "unprocessed_messages", {"session_id": session_id})
+
+
+async def mark_messages_processed(pool: AsyncConnectionPool, run_id: uuid.UUID,
+                                  token: uuid.UUID, message_ids: list[uuid.UUID]) -> int:
+    async with pool.connection() as conn:
+        return (await db.fetch_one(conn, "mark_messages_processed", {
+            "run_id": run_id, "token": token, "message_ids": message_ids}))["marked"]
+
+
 async def mark_steers_delivered(
     pool: AsyncConnectionPool, run_id: uuid.UUID, token: uuid.UUID, input_ids: list[uuid.UUID]
 ) -> int:
@@ -83,6 +96,34 @@ async def mark_steers_delivered(
 async def fail(pool: AsyncConnectionPool, run_id: uuid.UUID, token: uuid.UUID, error: str) -> None:
     async with pool.connection() as conn:
         await db.execute(conn, "fail_run", {"run_id": run_id, "token": token, "error": error})
+
+
+async def suspend(
+    pool: AsyncConnectionPool, run_id: uuid.UUID, token: uuid.UUID, kind: str,
+    targets: list[uuid.UUID], cursor: dict[str, int], timeout_s: float,
+) -> str:
+    """Suspend the run on a wait: 'suspended', or 'ready' / 'cycle' when the
+    run must go on at once."""
+    async with pool.connection() as conn:
+        row = await db.fetch_one(conn, "suspend_run", {
+            "run_id": run_id, "token": token, "kind": kind, "targets": targets,
+            "cursor": Jsonb(cursor), "timeout": timeout_s})
+    return row["outcome"]
+
+
+async def resume_wait(pool: AsyncConnectionPool, wait_id: uuid.UUID) -> uuid.UUID | None:
+    async with pool.connection() as conn:
+        return (await db.fetch_one(conn, "resume_wait", {"wait_id": wait_id}))["run_id"]
+
+
+async def expire_wait(pool: AsyncConnectionPool, wait_id: uuid.UUID) -> bool:
+    async with pool.connection() as conn:
+        return (await db.fetch_one(conn, "expire_wait", {"wait_id": wait_id}))["expired"]
+
+
+async def redeliver_waits(pool: AsyncConnectionPool, grace: dt.timedelta) -> int:
+    async with pool.connection() as conn:
+        return (await db.fetch_one(conn, "redeliver_waits", {"grace": grace}))["n"]
 
 
 async def recover_expired(pool: AsyncConnectionPool, max_attempts: int) -> list[uuid.UUID]:
