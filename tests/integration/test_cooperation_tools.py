@@ -1,0 +1,236 @@
+"""Cooperation tools called directly under a real lease: effects, waits,
+messages, scope. (test_cooperation.py drives them through the model.)"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+
+import pytest
+
+from tests.integration.helpers import drain, new_session, rows, runs_with_status, scalar, say_agent
+from yuxi.errors import Conflict
+from yuxi.runtime import cooperation
+from yuxi.runtime.tools import ToolContext, ToolError, ToolOutput, call_tool, BUILTIN_TOOLS
+from yuxi.services import conversation, runs, sessions
+
+
+async def running(pool, scope, session_id=None, content="go", config=None):
+    """A running run of a new (or given) session and its tool context factory."""
+    if session_id is None:
+        session_id = (await new_session(pool, scope, config or {
+            "model": "replay", "tools": ["cooperation"],
+            "replay": {"default": [{"say": "child says {{ input }}"}]}})).id
+    await sessions.receive_input(pool, scope, session_id, content=content, mode="queue")
+    ready = [r for r in await runs_with_status(pool, "ready")
+             if await scalar(pool, "SELECT session_id FROM yuxi.runs WHERE id = %s", (r,)) == session_id]
+    token = uuid.uuid4()
+    run = await runs.start_run(pool, ready[0], token, 60)
+
+    def ctx(call_id="c1", **kw) -> ToolContext:
+        return ToolContext(pool=pool, run_id=run["id"], token=token, call_id=call_id, run=run, **kw)
+    return run, token, ctx
+
+
+async def test_effect_replayed_by_a_later_run_of_the_turn_changes_nothing(pool, alice):
+    scope = alice[1]
+    run, token, ctx = await running(pool, scope)
+    args = {"name": "kid", "task": "do it"}
+    first = await cooperation.create_session(ctx("call-1"), args)
+    assert await cooperation.create_session(ctx("call-1"), args) == first
+    # The worker dies; the turn continues in a new run that replays the call.
+    await scalar(pool, "UPDATE yuxi.runs SET lease_expires_at = now() - interval '1 s' "
+                       "WHERE id = %s RETURNING id", (run["id"],))
+    assert await runs.recover_expired(pool, 3) == [run["id"]]
+    retry = await scalar(pool, "SELECT id FROM yuxi.runs WHERE turn_id = %s AND status = 'ready'",
+                         (run["turn_id"],))
+    token2 = uuid.uuid4()
+    run2 = await runs.start_run(pool, retry, token2, 60)
+    assert run2["turn_id"] == run["turn_id"]
+    replay_ctx = ToolContext(pool=pool, run_id=run2["id"], token=token2, call_id="call-1", run=run2)
+    assert await cooperation.create_session(replay_ctx, args) == first
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.sessions WHERE parent_id IS NOT NULL") == 1
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.inputs i JOIN yuxi.sessions s "
+                              "ON s.id = i.session_id WHERE s.name = 'kid'") == 1
+    # The first source run stays recorded.
+    assert await scalar(pool, "SELECT first_run_id FROM yuxi.effects") == run["id"]
+    # The same key with another request is refused and writes nothing.
+    for changed in ({"name": "other", "task": "do it"}, {"name": "kid", "task": "else"}):
+        with pytest.raises(Conflict):
+            await cooperation.create_session(replay_ctx, changed)
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.sessions WHERE parent_id IS NOT NULL") == 1
+
+
+async def test_a_new_turn_may_reuse_a_call_id(pool, checkpoint_pool, alice):
+    scope = alice[1]
+    run, token, ctx = await running(pool, scope)
+    await cooperation.create_session(ctx("call-1"), {"name": "a", "task": "t"})
+    await runs.complete(pool, run["id"], token, {"text": "x"})
+    await drain(pool, checkpoint_pool)  # the child's turn
+    _, _, ctx2 = await running(pool, scope, session_id=run["session_id"], content="again")
+    second = await cooperation.create_session(ctx2("call-1"), {"name": "b", "task": "t"})
+    assert second["path"] == "/root/b"
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.effects") == 2
+
+
+@pytest.mark.parametrize("tool,args", [
+    ("send_message", {"session": "x", "text": "hi"}),
+    ("submit_input", {"session": "x", "text": "hi"}),
+    ("cancel_turn", {"session": "x", "turn_id": str(uuid.uuid4())}),
+])
+async def test_effect_tools_are_idempotent_and_conflicts_refused(pool, alice, tool, args):
+    scope = alice[1]
+    run, token, ctx = await running(pool, scope)
+    child = await cooperation.create_session(ctx("mk"), {"name": "x", "task": "t"})
+    if tool == "cancel_turn":
+        # A queued turn of the child to cancel.
+        receipt = await sessions.receive_input(pool, scope, uuid.UUID(child["session_id"]),
+                                               content="later", mode="queue")
+        args = {**args, "turn_id": str(receipt.turn_id)}
+    fn = getattr(cooperation, tool)
+    first = await fn(ctx("e1"), args)
+    counts = [await scalar(pool, f"SELECT count(*) FROM yuxi.{t}") for t in ("messages", "inputs", "events")]
+    assert await fn(ctx("e1"), args) == first
+    assert [await scalar(pool, f"SELECT count(*) FROM yuxi.{t}") for t in ("messages", "inputs", "events")] == counts
+    other = {**args, "session": child["session_id"]} if tool != "cancel_turn" else {**args, "turn_id": str(uuid.uuid4())}
+    if tool != "cancel_turn":
+        other = {**args, "text": "different"}
+    with pytest.raises(Conflict):
+        await fn(ctx("e1"), other)
+
+
+async def test_targets_outside_the_scope_are_refused_and_write_nothing(pool, alice, mallory):
+    scope = alice[1]
+    theirs = await new_session(pool, mallory[1], say_agent())
+    run, token, ctx = await running(pool, scope)
+    before = await scalar(pool, "SELECT count(*) FROM yuxi.events")
+    for tool, args in [
+        ("send_message", {"session": str(theirs.id), "text": "hi"}),
+        ("submit_input", {"session": str(theirs.id), "text": "hi"}),
+        ("wait_sessions", {"sessions": [str(theirs.id)], "timeout_s": 1}),
+        ("get_result", {"turn_id": str(uuid.uuid4())}),
+    ]:
+        out, _ = await call_tool(BUILTIN_TOOLS, ctx(f"x-{tool}"), tool, args)
+        assert '"not_found"' in out, (tool, out)
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.events") == before
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.effects") == 0
+
+
+async def test_wait_sessions_refuses_empty_and_self(pool, alice):
+    run, token, ctx = await running(pool, alice[1])
+    with pytest.raises(ToolError, match="non-empty"):
+        await cooperation.wait_sessions(ctx(), {"sessions": []})
+    with pytest.raises(ToolError) as err:
+        await cooperation.wait_sessions(ctx(), {"sessions": ["/root"]})
+    assert err.value.code == "wait_on_self"
+
+
+async def test_wait_sessions_returns_at_once_after_the_cursor(pool, checkpoint_pool, alice):
+    scope = alice[1]
+    run, token, ctx = await running(pool, scope)
+    child = await cooperation.create_session(ctx("mk"), {"name": "c", "task": "t"})
+    await drain(pool, checkpoint_pool)  # the child finishes
+    out = await cooperation.wait_sessions(ctx(), {"sessions": ["c"]})
+    assert isinstance(out, ToolOutput)
+    assert [u["type"] for u in out.result["updates"]] == ["turn.completed"]
+    assert out.result["timed_out"] is False
+    # With the returned cursor nothing new is there: the tool would suspend.
+    assert out.cursors == out.result["cursor"]
+    again = await rows(pool, "SELECT * FROM yuxi.session_updates_v1(%s, %s, %s)",
+                       (run["session_id"], [uuid.UUID(child["session_id"])],
+                        __import__("psycopg").types.json.Jsonb(out.cursors)))
+    assert again == []
+
+
+def wait_script(target="c") -> dict:
+    return {"model": "replay", "tools": ["cooperation"], "replay": {"rules": [
+        {"match": "^parent", "steps": [
+            {"call": [{"tool": "create_session", "args": {"name": "c", "task": "child work"}}]},
+            {"call": [{"tool": "wait_sessions", "args": {"sessions": [target], "timeout_s": 30}}]},
+            {"say": "{{ last.updates|map(attribute='type')|join(',') }} timed_out={{ last.timed_out }}"},
+        ]}],
+        "default": [{"say": "child done"}]}}
+
+
+async def test_wait_timeout_resumes_with_an_explicit_result(pool, checkpoint_pool, alice):
+    scope = alice[1]
+    config = wait_script()
+    config["replay"]["default"] = [{"say": "slow", "delay_ms": 0}]
+    root = await new_session(pool, scope, config)
+    receipt = await sessions.receive_input(pool, scope, root.id, content="parent")
+    # Run only the parent: it creates the child and suspends on it.
+    (parent_run,) = await runs_with_status(pool, "ready")
+    from tests.integration.helpers import executor
+    assert await executor(pool, checkpoint_pool).execute(parent_run) == "suspended"
+    wait = (await rows(pool, "SELECT id, status FROM yuxi.waits"))[0]
+    assert wait["status"] == "pending"
+    assert await scalar(pool, "SELECT status FROM yuxi.turns WHERE id = %s", (receipt.turn_id,)) == "waiting"
+    # The parent holds no slot while waiting.
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.slot_claims WHERE run_id = %s", (parent_run,)) == 0
+    assert not await runs.expire_wait(pool, wait["id"])  # not due yet
+    await scalar(pool, "UPDATE yuxi.waits SET deadline = now() - interval '1 s' RETURNING id")
+    # The child's pending run is cancelled out of the way so only the timeout can wake the parent.
+    await scalar(pool, "DELETE FROM yuxi.slot_claims WHERE run_id IN (SELECT id FROM yuxi.runs WHERE session_id <> %s) RETURNING run_id", (root.id,))
+    await scalar(pool, "UPDATE yuxi.runs SET status = 'failed', error = 'test', finished_at = now() WHERE session_id <> %s AND status IN ('ready','pending') RETURNING id", (root.id,))
+    assert await runs.expire_wait(pool, wait["id"])
+    assert not await runs.expire_wait(pool, wait["id"])  # at most once
+    resumes = await rows(pool, "SELECT id, resume FROM yuxi.runs WHERE turn_id = %s AND resume IS NOT NULL",
+                         (receipt.turn_id,))
+    assert len(resumes) == 1 and resumes[0]["resume"]["reason"] == "timeout"
+    await drain(pool, checkpoint_pool)
+    result = await sessions.get_result(pool, scope, receipt.turn_id)
+    assert result.output["text"] == " timed_out=True"
+
+
+async def test_child_completion_wakes_the_waiting_parent_once(pool, checkpoint_pool, alice):
+    scope = alice[1]
+    root = await new_session(pool, scope, wait_script())
+    receipt = await sessions.receive_input(pool, scope, root.id, content="parent")
+    await drain(pool, checkpoint_pool)
+    result = await sessions.get_result(pool, scope, receipt.turn_id)
+    assert result.output["text"] == "turn.completed timed_out=False"
+    waits = await rows(pool, "SELECT status, reason, resume_run_id FROM yuxi.waits")
+    assert len(waits) == 1 and waits[0]["status"] == "satisfied"
+    # A duplicated resume creates no extra run.
+    wait_id = await scalar(pool, "SELECT id FROM yuxi.waits")
+    assert await runs.resume_wait(pool, wait_id) == waits[0]["resume_run_id"]
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.runs WHERE turn_id = %s", (receipt.turn_id,)) == 2
+
+
+async def test_wait_cycle_is_refused_instead_of_hanging(pool, checkpoint_pool, alice):
+    scope = alice[1]
+    run_a, token_a, ctx_a = await running(pool, scope)
+    child = await cooperation.create_session(ctx_a("mk"), {"name": "b", "task": "t"})
+    # Make the parent wait on the child (suspended with a pending wait).
+    assert await runs.suspend(pool, run_a["id"], token_a, "sessions",
+                              [uuid.UUID(child["session_id"])], {}, 60) == "suspended"
+    # The child now tries to wait on its parent: that closes a cycle.
+    (child_run,) = await runs_with_status(pool, "ready")
+    token_b = uuid.uuid4()
+    await runs.start_run(pool, child_run, token_b, 60)
+    assert await runs.suspend(pool, child_run, token_b, "sessions", [run_a["session_id"]], {},
+                              60) == "cycle"
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.waits") == 1
+
+
+async def test_message_to_an_idle_session_waits_for_its_next_execution(
+        pool, checkpoint_pool, alice):
+    scope = alice[1]
+    run, token, ctx = await running(pool, scope)
+    child = await cooperation.create_session(ctx("mk"), {"name": "c", "task": "first"})
+    await drain(pool, checkpoint_pool)  # the child ran and is idle now
+    turns_before = await scalar(pool, "SELECT count(*) FROM yuxi.turns")
+    await cooperation.send_message(ctx("msg"), {"session": "c", "text": "note this"})
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.turns") == turns_before  # no turn
+    assert await runs_with_status(pool, "ready") == []  # woke nothing
+    receipt = await sessions.receive_input(pool, scope, uuid.UUID(child["session_id"]),
+                                           content="second")
+    await drain(pool, checkpoint_pool)
+    history = await conversation.messages(checkpoint_pool, uuid.UUID(child["session_id"]))
+    contents = [m["content"] for m in history]
+    # Delivered at the child's next model call, after its new input.
+    assert contents[2] == "second" and contents[3].endswith("note this")
+    assert contents[3].startswith("[cooperation message from /root")
+    assert history[4]["role"] == "ai"
+    message = (await rows(pool, "SELECT processed_run_id, source_run_id FROM yuxi.messages"))[0]
+    assert message["source_run_id"] == run["id"] and message["processed_run_id"] is not None
