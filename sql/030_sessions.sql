@@ -81,7 +81,7 @@ $$;
 -- the first input's id and writes nothing.
 CREATE FUNCTION yuxi.receive_input_v1(
     p_session uuid, p_user uuid, p_app uuid, p_content text, p_mode text,
-    p_overrides jsonb, p_client_request_id text
+    p_overrides jsonb, p_client_request_id text, p_by_user boolean DEFAULT false
 ) RETURNS uuid
     LANGUAGE plpgsql AS $$
 DECLARE
@@ -114,6 +114,13 @@ BEGIN
     -- Re-read the config under the lock: an update that committed while we
     -- waited must be in the snapshot, never half of it.
     SELECT * INTO v_session FROM yuxi.sessions WHERE id = p_session;
+    IF p_by_user AND v_session.parent_id IS NOT NULL THEN
+        -- A person acted on a member directly: its parent gets a notice.
+        PERFORM yuxi.emit_event_v1(v_session.tree_id, v_session.parent_id, NULL, NULL,
+                                   'member.user_input',
+                                   jsonb_build_object('session_id', p_session,
+                                                      'path', v_session.path, 'mode', p_mode));
+    END IF;
     INSERT INTO yuxi.inputs (session_id, tree_id, user_id, app_id, content, mode,
                              client_request_id, context_snapshot)
     VALUES (p_session, v_session.tree_id, p_user, p_app, p_content, p_mode,

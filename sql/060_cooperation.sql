@@ -519,3 +519,4 @@ BEGIN
     RETURN v_count;
 END;
 $$;
+

@@ -80,7 +80,8 @@ SELECT id, name, path, parent_id, tree_id FROM yuxi.sessions WHERE id = %(id)s;
 
 -- name: receive_input
 SELECT yuxi.receive_input_v1(%(session_id)s, %(user_id)s, %(app_id)s, %(content)s,
-                             %(mode)s, %(overrides)s, %(client_request_id)s) AS input_id;
+                             %(mode)s, %(overrides)s, %(client_request_id)s,
+                             %(by_user)s) AS input_id;
 
 -- name: get_input
 SELECT i.id, i.session_id, i.status, i.turn_id, i.mode, i.content, i.client_request_id,

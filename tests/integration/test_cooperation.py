@@ -112,3 +112,109 @@ async def test_duplicate_child_name_is_refused(pool, checkpoint_pool, alice):
     assert (await sessions.get_result(pool, scope, receipt.turn_id)).output["text"] == \
         "invalid_request"
     assert await scalar(pool, "SELECT count(*) FROM yuxi.sessions WHERE name = 'same'") == 1
+
+
+async def test_steer_resumes_a_turn_waiting_for_cooperation(pool, checkpoint_pool, alice):
+    scope = alice[1]
+    config = {"model": "replay", "tools": ["cooperation"], "replay": {"rules": [
+        {"match": "^parent", "steps": [
+            {"call": [{"tool": "create_session", "args": {"name": "c", "task": "slow"}}]},
+            {"call": [{"tool": "wait_sessions", "args": {"sessions": ["c"], "timeout_s": 600}}]},
+            {"say": "{{ inputs|join('+') }} updates={{ results[1].updates|length }}"}]}],
+        "default": [{"say": "child"}]}}
+    root = await new_session(pool, scope, config)
+    receipt = await sessions.receive_input(pool, scope, root.id, content="parent")
+    from tests.integration.helpers import executor, runs_with_status
+    parent_run = (await runs_with_status(pool, "ready"))[0]
+    assert await executor(pool, checkpoint_pool).execute(parent_run) == "suspended"
+    steer = await sessions.receive_input(pool, scope, root.id, content="hurry")
+    assert steer.turn_id == receipt.turn_id
+    wait = (await rows(pool, "SELECT status, reason FROM yuxi.waits"))[0]
+    assert (wait["status"], wait["reason"]) == ("satisfied", "steer")
+    # Run the parent's resume only (the child has not run).
+    resume = await scalar(pool, "SELECT id FROM yuxi.runs WHERE turn_id = %s AND status = 'ready'",
+                          (receipt.turn_id,))
+    assert await executor(pool, checkpoint_pool).execute(resume) == "completed"
+    result = await sessions.get_result(pool, scope, receipt.turn_id)
+    assert result.output["text"] == "parent+hurry updates=0"
+
+
+async def test_parent_end_leaves_children_and_notices_wake_no_ended_parent(
+        pool, checkpoint_pool, alice):
+    scope = alice[1]
+    config = {"model": "replay", "tools": ["cooperation"], "replay": {"rules": [
+        {"match": "^parent", "steps": [
+            {"call": [{"tool": "create_session", "args": {"name": "c", "task": "work"}}]},
+            {"say": "parent finished first"}]}],
+        "default": [{"say": "child finished later"}]}}
+    root = await new_session(pool, scope, config)
+    receipt = await sessions.receive_input(pool, scope, root.id, content="parent")
+    from tests.integration.helpers import executor, runs_with_status
+    parent_run = await scalar(pool, "SELECT id FROM yuxi.runs WHERE turn_id = %s", (receipt.turn_id,))
+    assert await executor(pool, checkpoint_pool).execute(parent_run) == "completed"
+    child_turn = await scalar(pool, "SELECT t.id FROM yuxi.turns t JOIN yuxi.sessions s "
+                                    "ON s.id = t.session_id WHERE s.name = 'c'")
+    assert await scalar(pool, "SELECT status FROM yuxi.turns WHERE id = %s", (child_turn,)) == "running"
+    await drain(pool, checkpoint_pool)
+    assert (await sessions.get_result(pool, scope, child_turn)).output["text"] == "child finished later"
+    # The completion is a persisted fact; the ended parent got no new turn or run.
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.turns WHERE session_id = %s", (root.id,)) == 1
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.runs WHERE turn_id = %s", (receipt.turn_id,)) == 1
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.events WHERE type = 'turn.completed' "
+                              "AND turn_id = %s", (child_turn,)) == 1
+
+
+async def test_user_input_on_a_member_notifies_its_parent_and_starts_no_work(
+        pool, checkpoint_pool, alice):
+    scope = alice[1]
+    root = await new_session(pool, scope, orchestrator(1))
+    await sessions.receive_input(pool, scope, root.id, content="orchestrate")
+    await drain(pool, checkpoint_pool)
+    child = await scalar(pool, "SELECT id FROM yuxi.sessions WHERE parent_id IS NOT NULL")
+    parent_turns = await scalar(pool, "SELECT count(*) FROM yuxi.turns WHERE session_id = %s", (root.id,))
+    receipt = await sessions.receive_input(pool, scope, child, content="from the user", by_user=True)
+    assert receipt.status == "started"  # the same abilities as on a root session
+    notice = await rows(pool, "SELECT session_id, data FROM yuxi.events WHERE type = 'member.user_input'")
+    assert notice == [{"session_id": root.id, "data": {"session_id": str(child),
+                                                        "path": "/root/w0", "mode": "steer"}}]
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.turns WHERE session_id = %s",
+                        (root.id,)) == parent_turns
+    # A session submitting to a member through a tool is not a user: no notice.
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.events WHERE type = 'member.user_input'") == 1
+
+
+async def test_tree_lists_every_member(pool, checkpoint_pool, alice):
+    scope = alice[1]
+    root = await new_session(pool, scope, orchestrator(2))
+    await sessions.receive_input(pool, scope, root.id, content="orchestrate")
+    await drain(pool, checkpoint_pool)
+    members = await sessions.get_tree(pool, scope, root.id)
+    assert [(m["path"], m["status"], m["title"]) for m in members] == [
+        ("/root", "idle", None), ("/root/w0", "idle", "worker 0"), ("/root/w1", "idle", "worker 1")]
+    child = members[1]["id"]
+    assert [m["path"] for m in await sessions.get_tree(pool, scope, child)] == [
+        "/root", "/root/w0", "/root/w1"]
+
+
+async def test_a_waiter_in_another_tree_is_resumed_through_a_job(pool, checkpoint_pool, alice):
+    scope = alice[1]
+    other = await new_session(pool, scope, {"model": "replay", "replay": {"default": [{"say": "x"}]}})
+    config = {"model": "replay", "tools": ["cooperation"], "replay": {"default": [
+        {"call": [{"tool": "wait_sessions", "args": {"sessions": [str(other.id)], "timeout_s": 600}}]},
+        {"say": "{{ last.updates|map(attribute='type')|join(',') }}"}]}}
+    waiter = await new_session(pool, scope, config)
+    receipt = await sessions.receive_input(pool, scope, waiter.id, content="wait")
+    from tests.integration.helpers import executor, runs_with_status
+    (run_id,) = await runs_with_status(pool, "ready")
+    assert await executor(pool, checkpoint_pool).execute(run_id) == "suspended"
+    await sessions.receive_input(pool, scope, other.id, content="go")
+    await drain(pool, checkpoint_pool)  # the other tree's turn completes
+    wait = (await rows(pool, "SELECT id, status, resume_run_id FROM yuxi.waits"))[0]
+    assert wait["status"] == "satisfied" and wait["resume_run_id"] is None
+    job = await scalar(pool, "SELECT args->>'wait_id' FROM procrastinate.procrastinate_jobs "
+                             "WHERE task_name = 'resume_wait'")
+    assert job == str(wait["id"])
+    from yuxi.services import runs
+    await runs.resume_wait(pool, wait["id"])  # what the job does
+    await drain(pool, checkpoint_pool)
+    assert (await sessions.get_result(pool, scope, receipt.turn_id)).output["text"] == "turn.completed"

@@ -70,8 +70,15 @@ class SessionController(Controller):
         return await sessions.receive_input(
             _pool(request), caller, session_id, content=data.content, mode=data.mode,
             model=data.model, approval_mode=data.approval_mode,
-            client_request_id=data.client_request_id,
+            client_request_id=data.client_request_id, by_user=True,
         )
+
+    @get("/{session_id:uuid}/tree", operation_id="getSessionTree")
+    async def get_tree(
+        self, request: Request, caller: Caller, session_id: FromPath[uuid.UUID]
+    ) -> dict[str, Any]:
+        members = await sessions.get_tree(_pool(request), caller, session_id)
+        return {"tree_id": members[0]["id"] if members else None, "sessions": members}
 
     @get("/{session_id:uuid}/turns", operation_id="listTurns")
     async def list_turns(self, request: Request, caller: Caller, session_id: FromPath[uuid.UUID]) -> list[Turn]:

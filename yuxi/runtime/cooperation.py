@@ -190,7 +190,7 @@ async def submit_input(ctx: ToolContext, args: dict[str, Any]) -> Any:
         target = await _resolve(conn, ctx, args.get("session"))
         row = await db.fetch_one(conn, "receive_input", {
             **_scope(ctx).params(), "session_id": target["id"], "content": text, "mode": mode,
-            "overrides": Jsonb({}), "client_request_id": None})
+            "overrides": Jsonb({}), "client_request_id": None, "by_user": False})
         info = await db.fetch_one(conn, "get_input", {**_scope(ctx).params(),
                                                       "id": row["input_id"]})
         return {"input_id": str(info["id"]), "session_id": str(target["id"]),

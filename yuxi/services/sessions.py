@@ -150,9 +150,11 @@ async def receive_input(
     model: str | None = None,
     approval_mode: str | None = None,
     client_request_id: str | None = None,
+    by_user: bool = False,
 ) -> Receipt:
     """Durably receive an input; the same client_request_id returns the same
-    receipt and creates nothing."""
+    receipt and creates nothing. `by_user`: a person acted on the session
+    directly; when it is a member of a tree its parent gets a notice."""
     if not content.strip():
         raise _field_error("content", "must not be blank")
     if mode not in ("steer", "queue"):
@@ -169,13 +171,28 @@ async def receive_input(
             conn,
             "receive_input",
             {**scope.params(), "session_id": session_id, "content": content, "mode": mode,
-             "overrides": Jsonb(overrides), "client_request_id": client_request_id},
+             "overrides": Jsonb(overrides), "client_request_id": client_request_id,
+             "by_user": by_user},
         )
         info = await db.fetch_one(conn, "get_input", {**scope.params(), "id": row["input_id"]})
     return Receipt(
         input_id=info["id"], session_id=info["session_id"], status=info["status"],
         turn_id=info["turn_id"], mode=info["mode"], position=info["position"],
     )
+
+
+async def get_tree(pool: AsyncConnectionPool, scope: Scope, session_id: uuid.UUID) -> list[dict]:
+    """Every member of the session's tree (path order) with title, status,
+    current turn and queue state."""
+    session = await get_session(pool, scope, session_id)
+    async with pool.connection() as conn:
+        rows = await db.fetch_all(conn, "tree_sessions", {
+            **scope.params(), "tree_id": session.tree_id, "parent": None, "after": "",
+            "limit": 10_000})
+    return [{"id": r["id"], "parent_id": r["parent_id"], "name": r["name"], "path": r["path"],
+             "title": r["title"], "status": r["status"], "current_turn_id": r["current_turn_id"],
+             "queue": {"length": r["queue_length"], "paused": r["queue_paused"]},
+             "created_at": r["created_at"]} for r in rows]
 
 
 async def get_input(pool: AsyncConnectionPool, scope: Scope, input_id: uuid.UUID) -> Input:
