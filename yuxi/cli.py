@@ -181,20 +181,44 @@ def one_line(exc: BaseException) -> str:
 # --------------------------------------------------------------------------
 # yuxi dev: one command from a clone to a running system
 
-# Answers "hello ..." by calling the echo tool, anything else by echoing back.
+# The demo agent is an orchestrator: it creates a writer and a reviewer child,
+# waits for both without holding a slot, and composes their exact results.
+# Children inherit this config; their tasks match the writer/reviewer rules.
 DEMO_AGENT: dict[str, Any] = {
     "model": "replay",
-    "tools": ["echo"],
+    "tools": ["echo", "cooperation"],
     "replay": {
-        "rules": [{
-            "match": "(?i)hello",
-            "steps": [
+        "rules": [
+            {"match": "(?i)^hello", "steps": [
                 {"call": [{"tool": "echo", "args": {"text": "{{ input }}"}}]},
                 {"say": "echo said: {{ last.text }}"},
-            ],
-        }],
+            ]},
+            {"match": "^Write a draft about: ", "steps": [
+                {"say": "Draft ({{ session.path }}): {{ input[21:] }} - stored durably, "
+                        "replayed exactly, never lost.", "delay_ms": 400},
+            ]},
+            {"match": "^Review this topic: ", "steps": [
+                {"say": "Review ({{ session.path }}): clear and short; keep it.",
+                 "delay_ms": 400},
+            ]},
+        ],
         "default": [
-            {"say": "You said: {{ input }} (session {{ session.path }}, model {{ model }})"},
+            {"call": [
+                {"tool": "create_session", "args": {
+                    "name": "writer", "title": "Writer",
+                    "task": "Write a draft about: {{ input }}"}},
+                {"tool": "create_session", "args": {
+                    "name": "reviewer", "title": "Reviewer",
+                    "task": "Review this topic: {{ input }}"}},
+            ]},
+            {"call": [{"tool": "wait_inputs", "args": {
+                "input_ids": "{{ results|map(attribute='input_id')|list }}",
+                "timeout_s": 120}}]},
+            {"call": [
+                {"tool": "get_result", "args": {"input_id": "{{ results[0].input_id }}"}},
+                {"tool": "get_result", "args": {"input_id": "{{ results[1].input_id }}"}},
+            ]},
+            {"say": "{{ results[3].output.text }}\n{{ results[4].output.text }}"},
         ],
     },
 }
@@ -316,9 +340,10 @@ Try it:
   SID=$(curl -s -X POST "$YUXI/api/sessions" {auth} {json_type} \\
         -d "{{\\"agent_id\\": \\"$AGENT\\"}}" | {field.format("id")})
   TURN=$(curl -s -X POST "$YUXI/api/sessions/$SID/inputs" {auth} {json_type} \\
-        -d '{{"content": "hello world"}}' | {field.format("turn_id")})
-  curl -sN "$YUXI/api/sessions/$SID/events" {auth}   # SSE; Ctrl-C to stop following
-  curl -s "$YUXI/api/turns/$TURN/result" {auth}
+        -d '{{"content": "durable agent sessions"}}' | {field.format("turn_id")})
+  curl -sN "$YUXI/api/sessions/$SID/events?scope=tree" {auth}   # SSE; Ctrl-C to stop
+  curl -s "$YUXI/api/turns/$TURN/result" {auth}        # the writer's and reviewer's results
+  curl -s "$YUXI/api/sessions/$SID/tree" {auth}        # /root, /root/writer, /root/reviewer
 """
 
 

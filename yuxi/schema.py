@@ -7,6 +7,7 @@ fresh database.
 
 from __future__ import annotations
 
+import hashlib
 from importlib import resources
 
 import psycopg
@@ -16,7 +17,16 @@ from psycopg.rows import dict_row
 from yuxi import db
 from yuxi.errors import SchemaVersionMismatch
 
-SCHEMA_VERSION = "1"
+def _schema_digest() -> str:
+    """A digest of the schema files: any change to them is a new version, so
+    a database built from other SQL is refused, never silently used."""
+    digest = hashlib.sha256()
+    for path in sorted(db.SQL_DIR.glob("[0-9][0-9][0-9]_*.sql")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+SCHEMA_VERSION = f"1.{_schema_digest()}"
 
 # Serializes concurrent `yuxi db init` runs on one database.
 _INIT_LOCK_KEY = 0x59_55_58_49  # "YUXI"
