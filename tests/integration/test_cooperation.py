@@ -218,3 +218,83 @@ async def test_a_waiter_in_another_tree_is_resumed_through_a_job(pool, checkpoin
     await runs.resume_wait(pool, wait["id"])  # what the job does
     await drain(pool, checkpoint_pool)
     assert (await sessions.get_result(pool, scope, receipt.turn_id)).output["text"] == "turn.completed"
+
+
+async def test_crash_after_the_effect_commit_and_before_the_checkpoint(
+        pool, checkpoint_pool, alice):
+    """The worker loses its lease right after create_session's effect
+    committed and before the step's checkpoint: the next run of the turn
+    re-executes the tool, which returns the recorded effect."""
+    scope = alice[1]
+    async with pool.connection() as conn:
+        src = (await (await conn.execute(
+            "SELECT pg_get_functiondef('yuxi.record_effect_v1'::regproc) AS d")).fetchone())["d"]
+        # Test-only: recording the effect also ends the lease (the "crash").
+        await conn.execute(src.replace(
+            "    INSERT INTO yuxi.effects",
+            "    UPDATE yuxi.runs SET lease_expires_at = now() - interval '1 s' WHERE id = p_run;\n"
+            "    INSERT INTO yuxi.effects", 1))
+    root = await new_session(pool, scope, orchestrator(1))
+    receipt = await sessions.receive_input(pool, scope, root.id, content="orchestrate")
+    from tests.integration.helpers import executor
+    from yuxi.services import runs
+    first = await scalar(pool, "SELECT id FROM yuxi.runs WHERE turn_id = %s", (receipt.turn_id,))
+    assert await executor(pool, checkpoint_pool).execute(first) == "lease_lost"
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.effects") == 1
+    # Restore the real function, recover the turn and let it finish.
+    async with pool.connection() as conn:
+        await conn.execute(src)
+    assert await runs.recover_expired(pool, 3) == [first]
+    await drain(pool, checkpoint_pool)
+    result = await sessions.get_result(pool, scope, receipt.turn_id)
+    assert result.output["text"] == "done job 0 at /root/w0"
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.sessions WHERE parent_id IS NOT NULL") == 1
+    effect = (await rows(pool, "SELECT first_run_id FROM yuxi.effects"))[0]
+    assert effect["first_run_id"] == first
+
+
+@pytest.mark.parametrize("guarded", [True, False])
+async def test_resume_that_re_executes_sibling_calls_repeats_no_effect(
+        pool, checkpoint_pool, alice, guarded):
+    scope = alice[1]
+    if not guarded:
+        # Negative case: without the effect lookup the re-executed sibling
+        # sends its message a second time.
+        async with pool.connection() as conn:
+            await conn.execute("""CREATE OR REPLACE FUNCTION yuxi.find_effect_v1(
+                p_turn uuid, p_call_id text, p_tool text, p_fingerprint text) RETURNS jsonb
+                LANGUAGE sql AS $$ SELECT NULL::jsonb $$""")
+            await conn.execute("ALTER TABLE yuxi.effects DROP CONSTRAINT effects_pkey")
+    config = {"model": "replay", "tools": ["cooperation"], "replay": {"rules": [
+        {"match": "^parent", "steps": [
+            {"call": [{"tool": "create_session", "args": {"name": "c", "task": "work"}}]},
+            {"call": [{"tool": "send_message", "args": {"session": "c", "text": "ping"}},
+                      {"tool": "wait_sessions", "args": {"sessions": ["c"], "timeout_s": 600}}]},
+            {"say": "messages={{ results|selectattr('message_id', 'defined')|list|length }}"}]}],
+        "default": [{"say": "child"}]}}
+    root = await new_session(pool, scope, config)
+    receipt = await sessions.receive_input(pool, scope, root.id, content="parent")
+    from tests.integration.helpers import executor, runs_with_status
+    parent_run = await scalar(pool, "SELECT id FROM yuxi.runs WHERE turn_id = %s", (receipt.turn_id,))
+    assert await executor(pool, checkpoint_pool).execute(parent_run) == "suspended"
+    # Lose the finished sibling's pending write, as if the worker had died
+    # before saving it: the resume must re-execute send_message.
+    deleted = await scalar(pool, """WITH d AS (DELETE FROM langgraph.checkpoint_writes w
+                                     WHERE w.thread_id = %s AND w.task_id IN (
+                                         SELECT task_id FROM langgraph.checkpoint_writes
+                                          WHERE thread_id = %s AND channel = 'messages')
+                                     RETURNING 1)
+                                    SELECT count(*) FROM d""", (str(root.id), str(root.id)))
+    assert deleted >= 1
+    await drain(pool, checkpoint_pool)
+    result = await sessions.get_result(pool, scope, receipt.turn_id)
+    assert result.status == "completed", result.error
+    if not guarded:
+        assert await scalar(pool, "SELECT count(*) FROM yuxi.messages") == 2
+        return
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.messages") == 1
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.effects WHERE tool = 'send_message'") == 1
+    history = await conversation.messages(checkpoint_pool, root.id)
+    tool_results = [m for m in history if m["role"] == "tool"]
+    assert [m["name"] for m in tool_results] == ["create_session", "send_message", "wait_sessions"], history
+    assert result.output["text"] == "messages=1"
