@@ -131,3 +131,28 @@ async def test_bad_selection_is_refused(pool, alice, selection):
     with pytest.raises(InvalidRequest):
         await accounts.create_agent(pool, alice[1], "bad", {"resources": selection})
     assert await scalar(pool, "SELECT count(*) FROM yuxi.agents") == 0
+
+
+async def test_resume_after_revocation_cannot_use_the_revoked_resource(
+        pool, checkpoint_pool, alice):
+    # The parent waits on a child; meanwhile its resource is revoked. The
+    # resume run re-resolves grants when it starts and fails before any model
+    # call: it cannot go on to create more work with the revoked resource.
+    scope = alice[1]
+    await _grant_all(pool, scope)
+    config = notes_agent("replay",
+                         {"call": [{"tool": "create_session", "args": {"name": "c", "task": "t"}}]},
+                         {"call": [{"tool": "wait_sessions", "args": {"sessions": ["c"]}}]},
+                         {"call": [{"tool": "create_session", "args": {"name": "d", "task": "t"}}]},
+                         {"say": "went on"})
+    config["tools"] = ["cooperation", "add_note"]
+    config["replay"]["rules"] = [{"match": "^t$", "steps": [{"say": "child"}]}]
+    session = await new_session(pool, scope, config)
+    receipt = await sessions.receive_input(pool, scope, session.id, content="parent")
+    (run_id,) = await runs_with_status(pool, "ready")
+    assert await executor(pool, checkpoint_pool).execute(run_id) == "suspended"
+    await resources.revoke(pool, scope, "collection:docs")
+    await drain(pool, checkpoint_pool)  # the child (it fails too: it inherited the intent)
+    result = await sessions.get_result(pool, scope, receipt.turn_id)
+    assert result.status == "failed" and "no grant for collection:docs" in result.error
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.sessions WHERE name = 'd'") == 0
