@@ -104,6 +104,7 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     # Fail fast with one line rather than with the app's startup traceback.
     pgserver.check_server(settings.database_url)
     uvicorn.run(API_FACTORY, factory=True, host=args.host or settings.host,
+                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
                 port=args.port or settings.port, log_level="info")
     return 0
 
@@ -128,9 +129,16 @@ def worker_command(extra: list[str]) -> list[str]:
     return [sys.executable, "-m", "procrastinate", f"--app={WORKER_APP}", "worker", *extra]
 
 
+# On SIGTERM uvicorn waits for open connections before shutting down; SSE
+# streams never end by themselves, so they get this long (clients resume with
+# Last-Event-ID, on this process or another).
+GRACEFUL_SHUTDOWN_SECONDS = 1
+
+
 def api_command(host: str, port: int) -> list[str]:
     return [sys.executable, "-m", "uvicorn", "--factory", API_FACTORY,
-            "--host", host, "--port", str(port)]
+            "--host", host, "--port", str(port),
+            "--timeout-graceful-shutdown", str(GRACEFUL_SHUTDOWN_SECONDS)]
 
 
 class _schema_pool:

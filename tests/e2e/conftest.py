@@ -7,7 +7,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,9 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-pytestmark = pytest.mark.e2e
+from yuxi.cli import api_command, worker_command
 
-BIN = Path(sys.executable).parent
+pytestmark = pytest.mark.e2e
 
 
 def free_port() -> int:
@@ -40,18 +39,35 @@ class Proc:
         self.popen.send_signal(signal.SIGKILL)
         self.popen.wait(10)
 
-    def stop(self) -> None:
+    def terminate(self) -> None:
+        """Ask the process to stop (SIGTERM) without waiting."""
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(5)
+
+    def stop(self) -> None:
+        self.terminate()
+        try:
+            self.popen.wait(10)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait(5)
         self._log.close()
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+
+@pytest.fixture
+def _procs(db_url: str) -> Iterator[list[Proc]]:
+    """Every process a test started; at the end all are asked to stop at
+    once (graceful shutdowns overlap), then awaited. It depends on `db_url`
+    so its teardown runs before the test database is dropped."""
+    procs: list[Proc] = []
+    yield procs
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        proc.stop()
 
 
 @pytest.fixture
@@ -66,19 +82,26 @@ def proc_env(db_url: str) -> dict[str, str]:
     return env
 
 
-@pytest.fixture
-def start_api(proc_env, tmp_path) -> Iterator:
-    """start_api() -> base URL of a new API process on this test's database."""
-    procs: list[Proc] = []
+class ApiStarter:
+    """`start_api()` -> base URL of a new API process on this test's database;
+    `start_api.many(n)` starts n of them side by side (they boot in parallel);
+    `start_api.procs` are the API processes started so far (Proc)."""
 
-    def start(**extra_env: str) -> str:
+    def __init__(self, all_procs: list[Proc], env: dict[str, str], log_dir: Path) -> None:
+        self.all_procs, self.env, self.log_dir = all_procs, env, log_dir
+        self.procs: list[Proc] = []
+
+    def _spawn(self, extra_env: dict[str, str]) -> tuple[Proc, str]:
         port = free_port()
-        env = {**proc_env, **extra_env}
-        proc = Proc(f"api-{len(procs)}", [str(BIN / "python"), "-m", "uvicorn", "--factory",
-                                          "yuxi.api.app:create_app", "--host", "127.0.0.1",
-                                          "--port", str(port)], env, tmp_path)
-        procs.append(proc)
-        base = f"http://127.0.0.1:{port}"
+        # The product's own command line (what `yuxi dev` runs).
+        proc = Proc(f"api-{len(self.procs)}", api_command("127.0.0.1", port),
+                    {**self.env, **extra_env}, self.log_dir)
+        self.procs.append(proc)
+        self.all_procs.append(proc)
+        return proc, f"http://127.0.0.1:{port}"
+
+    @staticmethod
+    def _wait_healthy(proc: Proc, base: str) -> str:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if proc.popen.poll() is not None:
@@ -88,39 +111,46 @@ def start_api(proc_env, tmp_path) -> Iterator:
                     return base
             except httpx.HTTPError:
                 pass
-            time.sleep(0.1)
+            time.sleep(0.05)
         raise RuntimeError(f"API did not start:\n{proc.log()}")
 
-    yield start
-    for proc in procs:
-        proc.stop()
+    def __call__(self, **extra_env: str) -> str:
+        return self._wait_healthy(*self._spawn(extra_env))
+
+    def many(self, n: int, **extra_env: str) -> list[str]:
+        spawned = [self._spawn(extra_env) for _ in range(n)]
+        return [self._wait_healthy(proc, base) for proc, base in spawned]
 
 
 @pytest.fixture
-def start_worker(proc_env, tmp_path) -> Iterator:
+def start_api(_procs, proc_env, tmp_path) -> ApiStarter:
+    """start_api() -> base URL of a new API process on this test's database."""
+    return ApiStarter(_procs, proc_env, tmp_path)
+
+
+@pytest.fixture
+def start_worker(_procs, proc_env, tmp_path):
     """start_worker() -> a new `procrastinate worker` process (Proc)."""
-    procs: list[Proc] = []
+    count = 0
 
     def start(**extra_env: str) -> Proc:
-        proc = Proc(f"worker-{len(procs)}",
-                    [str(BIN / "procrastinate"), "--app=workers.app.app", "worker"],
-                    {**proc_env, **extra_env}, tmp_path)
-        procs.append(proc)
+        nonlocal count
+        proc = Proc(f"worker-{count}", worker_command([]), {**proc_env, **extra_env}, tmp_path)
+        count += 1
+        _procs.append(proc)
         return proc
 
-    yield start
-    for proc in procs:
-        proc.stop()
-
-
-@pytest.fixture
-def api(start_api) -> str:
-    return start_api()
+    return start
 
 
 @pytest.fixture
 def worker(start_worker):
     return start_worker()
+
+
+@pytest.fixture
+def api(start_api) -> str:
+    return start_api()
 
 
 @pytest.fixture

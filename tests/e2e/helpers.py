@@ -181,6 +181,22 @@ class EventStream:
                 f"{[(e['seq'], e['type']) for e in self.events]}") from None
         raise AssertionError(f"SSE: stream ended; events so far: {self.types()}")
 
+    async def read_until_closed(self, timeout: float) -> None:
+        """Read on until the server ends the stream (cleanly or by closing the
+        connection); AssertionError when it is still open after `timeout`."""
+        try:
+            async with asyncio.timeout(timeout):
+                async for frame in self._frames:
+                    self.comments.extend(frame.comments)
+                    if frame.data is not None:
+                        self.events.append(json.loads(frame.data))
+        except TimeoutError:
+            raise AssertionError(
+                f"SSE: the stream is still open after {timeout}s "
+                f"({self.comments.count('keepalive')} keepalives so far)") from None
+        except (httpx.RemoteProtocolError, httpx.ReadError):
+            pass  # the server closed the connection: ended too
+
 
 def has_event(type_: str, *, turn_id: str | None = None,
               count: int = 1) -> Callable[[EventStream], bool]:
@@ -249,8 +265,15 @@ class Db:
         tables = ("sessions", "trees", "inputs", "turns", "runs", "events", "slot_claims",
                   "agents")
         out = {t: self.scalar(f"SELECT count(*) FROM yuxi.{t}") for t in tables}
-        out["jobs"] = self.scalar("SELECT count(*) FROM procrastinate.procrastinate_jobs")
+        # Run jobs only: the periodic recovery sweep comes and goes by itself.
+        out["run_jobs"] = self.run_jobs()
         return out
+
+    def run_jobs(self) -> int:
+        """execute_run jobs still stored (a successful job is deleted just
+        after its run ended: wait for 0 before comparing counts)."""
+        return self.scalar("SELECT count(*) FROM procrastinate.procrastinate_jobs "
+                           "WHERE task_name = 'execute_run'")
 
     def close(self) -> None:
         self.conn.close()

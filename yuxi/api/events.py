@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
-from typing import Annotated, Literal
+from typing import Annotated
 
 import msgspec
 from litestar import Request, get
@@ -28,14 +28,17 @@ BATCH = 500
 
 
 def _cursor(after: int | None, last_event_id: str | None) -> int:
-    if after is not None:
-        return after
+    """Last-Event-ID wins over ?after=: an EventSource reconnects to the URL
+    it was opened with and adds the header, which is the newer cursor."""
     if last_event_id:
         try:
             return int(last_event_id)
         except ValueError:
-            raise InvalidRequest("Last-Event-ID must be an event sequence number") from None
-    return 0
+            raise InvalidRequest(
+                "Last-Event-ID must be an event sequence number",
+                errors=[{"field": "Last-Event-ID", "message": "not a sequence number"}],
+            ) from None
+    return after or 0
 
 
 @get("/api/sessions/{session_id:uuid}/events", operation_id="streamEvents", tags=["events"])
@@ -43,10 +46,13 @@ async def stream_events(
     request: Request,
     caller: Caller,
     session_id: FromPath[uuid.UUID],
-    scope_: Annotated[Literal["session", "tree"], QueryParameter(name="scope")] = "session",
+    scope_: Annotated[str, QueryParameter(name="scope")] = "session",
     after: Annotated[int | None, QueryParameter(ge=0)] = None,
     last_event_id: Annotated[str | None, HeaderParameter(name="last-event-id")] = None,
 ) -> ServerSentEvent:
+    if scope_ not in ("session", "tree"):
+        raise InvalidRequest("scope must be session or tree",
+                             errors=[{"field": "scope", "message": "must be session or tree"}])
     session = await sessions.get_session(request.app.state.pool, caller, session_id)
     cursor = _cursor(after, last_event_id)
     only = None if scope_ == "tree" else session_id
