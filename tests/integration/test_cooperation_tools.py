@@ -234,3 +234,22 @@ async def test_message_to_an_idle_session_waits_for_its_next_execution(
     assert history[4]["role"] == "ai"
     message = (await rows(pool, "SELECT processed_run_id, source_run_id FROM yuxi.messages"))[0]
     assert message["source_run_id"] == run["id"] and message["processed_run_id"] is not None
+
+
+async def test_list_sessions_pages_the_callers_tree_with_free_slots(pool, checkpoint_pool, alice):
+    scope = alice[1]
+    run, token, ctx = await running(pool, scope)
+    for name in ("a", "b", "c"):
+        await cooperation.create_session(ctx(f"mk-{name}"), {"name": name, "task": "t"})
+    page = await cooperation.list_sessions(ctx(), {"limit": 2})
+    assert [s["path"] for s in page["sessions"]] == ["/root", "/root/a"]
+    # The caller's run holds one slot and three children hold the others.
+    assert page["free_slots"] == 0
+    rest = await cooperation.list_sessions(ctx(), {"limit": 2, "cursor": page["next_cursor"]})
+    assert [s["path"] for s in rest["sessions"]] == ["/root/b", "/root/c"]
+    assert rest["next_cursor"] is None
+    kids = await cooperation.list_sessions(ctx(), {"scope": "children"})
+    assert [s["path"] for s in kids["sessions"]] == ["/root/a", "/root/b", "/root/c"]
+    assert kids["sessions"][0]["queue"] == {"length": 0, "paused": False}
+    with pytest.raises(ToolError):
+        await cooperation.list_sessions(ctx(), {"scope": "everything"})
