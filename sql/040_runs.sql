@@ -156,28 +156,35 @@ $$;
 -- The executing worker completes its run with the turn's output. `p_delivered`
 -- are the steers its conversation contains; if the turn took in a steer that
 -- is not among them (it arrived while the model produced what would have been
--- the final answer), nothing changes and false is returned: the worker must
+-- the final answer), nothing changes and 'steer' is returned: the worker must
 -- deliver it with one more model call. Receiving a steer takes the tree lock
 -- too, so a steer either lands before this check or finds the session idle.
+-- A committed cancel intent wins over the result: the run is cancelled.
 CREATE FUNCTION yuxi.complete_run_v1(
     p_run uuid, p_token uuid, p_output jsonb, p_delivered uuid[] DEFAULT '{}'
-) RETURNS boolean
+) RETURNS text
     LANGUAGE plpgsql AS $$
 DECLARE
     v_run yuxi.runs;
 BEGIN
     v_run := yuxi.fence_run_v1(p_run, p_token);
+    -- A cancel intent committed before this boundary wins over the result.
+    IF EXISTS (SELECT 1 FROM yuxi.turns
+               WHERE id = v_run.turn_id AND cancel_requested_at IS NOT NULL) THEN
+        PERFORM yuxi.cancel_run_v1(p_run, p_token);
+        RETURN 'cancelled';
+    END IF;
     IF EXISTS (SELECT 1 FROM yuxi.inputs i JOIN yuxi.turns t ON t.id = i.turn_id
                WHERE i.turn_id = v_run.turn_id AND i.id <> t.input_id
                  AND NOT (i.id = ANY(coalesce(p_delivered, '{}')))) THEN
-        RETURN false;
+        RETURN 'steer';
     END IF;
     UPDATE yuxi.runs SET status = 'completed', output = p_output, finished_at = now()
      WHERE id = p_run;
     PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
                                'run.completed', '{}');
     PERFORM yuxi.finish_turn_v1(p_run, 'completed', NULL);
-    RETURN true;
+    RETURN 'completed';
 END;
 $$;
 
@@ -221,6 +228,15 @@ BEGIN
                       v_run.lease_expires_at, v_run.attempt);
     UPDATE yuxi.runs SET status = 'failed', error = v_error, finished_at = now()
      WHERE id = p_run;
+    IF EXISTS (SELECT 1 FROM yuxi.turns
+               WHERE id = v_run.turn_id AND cancel_requested_at IS NOT NULL) THEN
+        -- Cancelled while its worker was gone: clean up, never retry.
+        PERFORM yuxi.release_slot_v1(p_run);
+        PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
+                                   'run.failed', jsonb_build_object('error', v_error));
+        PERFORM yuxi.enter_cancelling_v1(v_run.turn_id);
+        RETURN NULL;
+    END IF;
     IF v_run.attempt < p_max_attempts THEN
         INSERT INTO yuxi.runs (turn_id, session_id, tree_id, user_id, app_id, attempt,
                                status, config)

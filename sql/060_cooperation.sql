@@ -231,39 +231,6 @@ BEGIN
 END;
 $$;
 
--- Cancel a queued turn at once; for a turn in flight record the intent
--- (its convergence belongs to the cancellation capability). Scope-checked:
--- the turn must belong to `p_session` of the caller's user and app.
-CREATE FUNCTION yuxi.cancel_turn_v1(p_user uuid, p_app uuid, p_session uuid, p_turn uuid)
-RETURNS text
-    LANGUAGE plpgsql AS $$
-DECLARE
-    v_turn yuxi.turns;
-BEGIN
-    SELECT * INTO v_turn FROM yuxi.turns
-     WHERE id = p_turn AND session_id = p_session AND user_id = p_user AND app_id = p_app;
-    IF NOT FOUND THEN
-        RAISE EXCEPTION 'turn % of session % not found', p_turn, p_session USING ERRCODE = 'YX002';
-    END IF;
-    PERFORM yuxi.lock_tree_v1(v_turn.tree_id);
-    SELECT * INTO v_turn FROM yuxi.turns WHERE id = p_turn FOR UPDATE;
-    IF v_turn.status = 'queued' THEN
-        UPDATE yuxi.turns SET status = 'cancelled', finished_at = now() WHERE id = p_turn;
-        UPDATE yuxi.inputs SET status = 'cancelled', finished_at = now()
-         WHERE turn_id = p_turn AND status IN ('queued', 'started');
-        PERFORM yuxi.emit_event_v1(v_turn.tree_id, v_turn.session_id, p_turn, NULL,
-                                   'turn.cancelled', jsonb_build_object('input_id', v_turn.input_id));
-        RETURN 'cancelled';
-    END IF;
-    IF v_turn.status IN ('completed', 'failed', 'cancelled') THEN
-        RETURN v_turn.status;
-    END IF;
-    UPDATE yuxi.turns SET cancel_requested_at = coalesce(cancel_requested_at, now())
-     WHERE id = p_turn;
-    RETURN 'cancel_requested';
-END;
-$$;
-
 -- The advisory lock key of a wait target (a session): suspending a wait and
 -- committing a fact about its target serialize on it, across trees.
 CREATE FUNCTION yuxi.wait_target_key_v1(p_session uuid) RETURNS bigint

@@ -154,7 +154,7 @@ SELECT yuxi.check_lease_v1(%(run_id)s, %(token)s);
 SELECT yuxi.emit_run_event_v1(%(run_id)s, %(token)s, %(type)s, %(data)s, %(dedupe_key)s) AS seq;
 
 -- name: complete_run
-SELECT yuxi.complete_run_v1(%(run_id)s, %(token)s, %(output)s, %(delivered)s) AS completed;
+SELECT yuxi.complete_run_v1(%(run_id)s, %(token)s, %(output)s, %(delivered)s) AS outcome;
 
 -- name: turn_steers
 SELECT id, content FROM yuxi.inputs
@@ -243,6 +243,27 @@ SELECT yuxi.send_message_v1(%(run_id)s, %(receiver)s, %(content)s) AS id;
 
 -- name: cancel_turn
 SELECT yuxi.cancel_turn_v1(%(user_id)s, %(app_id)s, %(session_id)s, %(turn_id)s) AS status;
+
+-- name: cancel_requested
+SELECT cancel_requested_at IS NOT NULL AS requested FROM yuxi.turns WHERE id = %(turn_id)s;
+
+-- name: cancel_run
+SELECT yuxi.cancel_run_v1(%(run_id)s, %(token)s);
+
+-- name: finish_cancel
+SELECT yuxi.finish_cancel_v1(%(turn_id)s) AS finished;
+
+-- name: cleanup_target
+SELECT id, session_id, status FROM yuxi.turns WHERE id = %(turn_id)s;
+
+-- name: stop_tree
+SELECT yuxi.stop_tree_v1(%(user_id)s, %(app_id)s, %(session_id)s) AS turns;
+
+-- name: continue_queue
+SELECT yuxi.continue_queue_v1(%(user_id)s, %(app_id)s, %(session_id)s) AS turn_id;
+
+-- name: redeliver_cleanups
+SELECT yuxi.redeliver_cleanups_v1(%(older_than)s) AS n;
 
 -- name: session_updates
 SELECT e.tree_id, e.seq, e.session_id, e.turn_id, e.type, e.data, s.path

@@ -17,6 +17,7 @@ from procrastinate import JobContext
 
 from workers.app import app, settings
 from yuxi import db
+from yuxi.runtime import cleanup
 from yuxi.runtime.executor import RunExecutor
 from yuxi.services import runs
 
@@ -60,6 +61,14 @@ async def expire_wait(wait_id: str) -> bool:
     return await runs.expire_wait((await _executor()).pool, uuid.UUID(wait_id))
 
 
+@app.task(name="cleanup_turn", queue="maintenance")
+async def cleanup_turn(turn_id: str) -> bool:
+    """Clean a cancelling turn's checkpoint, then end it cancelled."""
+    executor = await _executor()
+    return await cleanup.clean_cancelled_turn(executor.pool, executor.checkpoint_pool,
+                                              uuid.UUID(turn_id))
+
+
 @app.periodic(cron="* * * * * */2")
 @app.task(name="recover_runs", queue="maintenance", pass_context=True,
           queueing_lock="recover_runs")
@@ -73,5 +82,6 @@ async def recover_runs(context: JobContext, timestamp: int) -> dict[str, int]:
         await app.job_manager.retry_job(job)
     redelivered = await runs.redeliver_ready(executor.pool, dt.timedelta(seconds=30))
     waits = await runs.redeliver_waits(executor.pool, dt.timedelta(seconds=5))
+    cleanups = await runs.redeliver_cleanups(executor.pool, dt.timedelta(seconds=10))
     return {"recovered": len(recovered), "stalled": len(list(stalled)),
-            "redelivered": len(redelivered), "waits": waits}
+            "redelivered": len(redelivered), "waits": waits, "cleanups": cleanups}

@@ -73,6 +73,16 @@ class SessionController(Controller):
             client_request_id=data.client_request_id, by_user=True,
         )
 
+    @post("/{session_id:uuid}/stop", operation_id="stopTree", status_code=202)
+    async def stop(self, request: Request, caller: Caller,
+                   session_id: FromPath[uuid.UUID]) -> dict[str, int]:
+        return {"turns": await sessions.stop_tree(_pool(request), caller, session_id)}
+
+    @post("/{session_id:uuid}/queue/continue", operation_id="continueQueue", status_code=200)
+    async def continue_queue(self, request: Request, caller: Caller,
+                             session_id: FromPath[uuid.UUID]) -> Session:
+        return await sessions.continue_queue(_pool(request), caller, session_id)
+
     @get("/{session_id:uuid}/tree", operation_id="getSessionTree")
     async def get_tree(
         self, request: Request, caller: Caller, session_id: FromPath[uuid.UUID]
@@ -108,6 +118,11 @@ class TurnController(Controller):
     @get("/{turn_id:uuid}", operation_id="getTurn")
     async def get_turn(self, request: Request, caller: Caller, turn_id: FromPath[uuid.UUID]) -> Turn:
         return await sessions.get_turn(_pool(request), caller, turn_id)
+
+    @post("/{turn_id:uuid}/cancel", operation_id="cancelTurn", status_code=202)
+    async def cancel_turn(self, request: Request, caller: Caller,
+                          turn_id: FromPath[uuid.UUID]) -> Turn:
+        return await sessions.cancel_turn(_pool(request), caller, turn_id)
 
     @get("/{turn_id:uuid}/result", operation_id="getTurnResult")
     async def get_result(self, request: Request, caller: Caller, turn_id: FromPath[uuid.UUID]) -> TurnResult:

@@ -150,6 +150,10 @@ def turn_output(messages: list[Any], input_id: str) -> dict[str, Any]:
     raise RuntimeError("the turn ended without an answer")
 
 
+class TurnCancelled(Exception):
+    """A cancel intent for the turn was committed: stop at this boundary."""
+
+
 class Suspended(Exception):
     """The graph stopped at an interrupt (a wait tool); `value` says on what."""
 
@@ -213,6 +217,9 @@ class RunExecutor:
                 outcome = work.result()
             except LeaseLost:
                 return "lease_lost"
+            except TurnCancelled:
+                await runs.cancel_run(self.pool, run_id, token)
+                return "cancelled"
             except Exception as exc:
                 log.info("run %s failed: %s", run_id, exc)
                 error = (f"{exc.code}: {exc.message}" if isinstance(exc, YuxiError)
@@ -225,6 +232,10 @@ class RunExecutor:
         finally:
             for task in (work, keeper):
                 task.cancel()
+
+    async def _guard(self, turn_id: uuid.UUID) -> None:
+        if await runs.cancel_requested(self.pool, turn_id):
+            raise TurnCancelled(f"turn {turn_id} was cancelled")
 
     async def _keep_lease(self, run_id: uuid.UUID, token: uuid.UUID) -> None:
         """Heartbeat until the lease is lost (then return)."""
@@ -263,8 +274,9 @@ class RunExecutor:
                     return "suspended"
                 resume, extra = {"reason": outcome}, []  # ready or cycle: answer at once
                 continue
-            if await runs.complete(self.pool, run["id"], token, output, delivered):
-                return "completed"
+            outcome = await runs.complete(self.pool, run["id"], token, output, delivered)
+            if outcome != "steer":
+                return outcome
             resume = None
             extra = await SteerInbox(self.pool, run, token).take(
                 (await graph.aget_state(cfg)).values["messages"])
@@ -291,7 +303,8 @@ class RunExecutor:
                                 pool=self.pool, run_id=run["id"], token=token,
                                 call_id=call_id, visible=tuple(visible), run=run,
                                 cursors=cursors, waits_in_step=waits_in_step,
-                                default_model=self.settings.default_model))
+                                default_model=self.settings.default_model),
+                            guard=lambda: self._guard(run["turn_id"]))
         cfg = {"configurable": {"thread_id": str(run["session_id"])},
                "recursion_limit": 2 * int(config.get("max_steps", 25)) + 2}
         return graph, cfg

@@ -6,7 +6,7 @@ run's frozen config), so a resumed or re-executed run behaves identically.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, Protocol, TypedDict
 
 from langchain_core.language_models import BaseChatModel
@@ -75,6 +75,7 @@ def build_graph(
     checkpointer: BaseCheckpointSaver | None,
     inbox: Inbox | None = None,
     tool_context: Callable[..., ToolContext] | None = None,
+    guard: Callable[[], Awaitable[None]] | None = None,
 ):
     """Compile the graph of one run. `preamble` (identity, system prompt) is
     prepended to every model call and never stored in the conversation.
@@ -87,6 +88,8 @@ def build_graph(
     inbox = inbox or NoInbox()
 
     async def call_model(state: AgentState) -> dict[str, Any]:
+        if guard:  # a committed cancel intent stops the turn before the model call
+            await guard()
         arrived = await inbox.take(state["messages"])
         answer = await bound.ainvoke([*preamble, *state["messages"], *arrived])
         await reporter.message(answer)
@@ -103,6 +106,8 @@ def build_graph(
 
     async def run_tool(state: ToolCallState) -> dict[str, Any]:
         call = state["call"]
+        if guard:  # ... and before each tool call
+            await guard()
         await reporter.tool_started(call)
         ctx = tool_context(call["id"], state.get("cursors") or {},
                            state.get("waits_in_step", 0)) if tool_context else None

@@ -52,15 +52,32 @@ async def emit(
 async def complete(
     pool: AsyncConnectionPool, run_id: uuid.UUID, token: uuid.UUID, output: dict[str, Any],
     delivered: list[uuid.UUID] = (),
-) -> bool:
-    """Complete the run and its turn. False (nothing changed) when the turn
-    took in a steer that is not among `delivered`: deliver it first."""
+) -> str:
+    """Complete the run and its turn: 'completed'; 'steer' (nothing changed)
+    when the turn took in a steer that is not among `delivered` (deliver it
+    first); 'cancelled' when a cancel intent was committed before."""
     async with pool.connection() as conn:
         row = await db.fetch_one(
             conn, "complete_run",
             {"run_id": run_id, "token": token, "output": Jsonb(output),
              "delivered": list(delivered)})
-    return bool(row["completed"])
+    return row["outcome"]
+
+
+async def cancel_requested(pool: AsyncConnectionPool, turn_id: uuid.UUID) -> bool:
+    async with pool.connection() as conn:
+        return bool((await db.fetch_one(conn, "cancel_requested",
+                                        {"turn_id": turn_id}))["requested"])
+
+
+async def cancel_run(pool: AsyncConnectionPool, run_id: uuid.UUID, token: uuid.UUID) -> None:
+    async with pool.connection() as conn:
+        await db.execute(conn, "cancel_run", {"run_id": run_id, "token": token})
+
+
+async def redeliver_cleanups(pool: AsyncConnectionPool, older_than: dt.timedelta) -> int:
+    async with pool.connection() as conn:
+        return (await db.fetch_one(conn, "redeliver_cleanups", {"older_than": older_than}))["n"]
 
 
 async def turn_steers(

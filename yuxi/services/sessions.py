@@ -227,3 +227,29 @@ async def get_result(pool: AsyncConnectionPool, scope: Scope, turn_id: uuid.UUID
     if row is None:
         raise NotFound(f"turn {turn_id} not found", turn_id=turn_id)
     return from_row(TurnResult, row)
+
+
+async def cancel_turn(pool: AsyncConnectionPool, scope: Scope, turn_id: uuid.UUID,
+                      *, by_user: bool = True) -> Turn:
+    """Cancel exactly this turn (a queued one at once; one in flight
+    converges). Cancelling an ended turn changes nothing."""
+    async with pool.connection() as conn:
+        await db.fetch_one(conn, "cancel_turn", {**scope.params(), "session_id": None,
+                                                 "turn_id": turn_id})
+    return await get_turn(pool, scope, turn_id)
+
+
+async def stop_tree(pool: AsyncConnectionPool, scope: Scope, session_id: uuid.UUID) -> int:
+    """Stop all: cancel in-flight turns down the whole tree and pause every
+    member's queue."""
+    async with pool.connection() as conn:
+        return (await db.fetch_one(conn, "stop_tree",
+                                   {**scope.params(), "session_id": session_id}))["turns"]
+
+
+async def continue_queue(pool: AsyncConnectionPool, scope: Scope,
+                         session_id: uuid.UUID) -> Session:
+    """Resume a paused queue, FIFO head first; cancelled turns stay cancelled."""
+    async with pool.connection() as conn:
+        await db.fetch_one(conn, "continue_queue", {**scope.params(), "session_id": session_id})
+    return await get_session(pool, scope, session_id)

@@ -1,0 +1,238 @@
+"""Exact cancellation: queued turns end at once, running turns converge at
+the next model or tool boundary, waiting turns are cleaned with the
+checkpoint-only graph (three commits, each safe to retry); stop-all and
+continue."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import psycopg
+import pytest
+from langchain_core.messages import AIMessage, ToolMessage
+
+from tests.integration import gated
+from tests.integration.helpers import drain, executor, new_session, rows, runs_with_status, scalar
+from tests.integration.test_config import wait_until_blocked
+from yuxi.runtime import cleanup
+from yuxi.services import conversation, sessions
+
+
+async def _clean(pool, checkpoint_pool, turn_id):
+    """What the cleanup_turn job does."""
+    return await cleanup.clean_cancelled_turn(pool, checkpoint_pool, turn_id)
+
+
+def assert_paired(messages: list[dict]) -> None:
+    """Every tool call of every AI message has exactly one result."""
+    calls = [c["id"] for m in messages if m["role"] == "ai" for c in m.get("tool_calls", [])]
+    results = [m["tool_call_id"] for m in messages if m["role"] == "tool"]
+    assert sorted(calls) == sorted(results), messages
+
+
+async def test_queued_turn_is_cancelled_at_once_and_the_next_one_runs(
+        pool, checkpoint_pool, alice):
+    scope = alice[1]
+    session = await new_session(pool, scope)
+    first = await sessions.receive_input(pool, scope, session.id, content="a", mode="queue")
+    second = await sessions.receive_input(pool, scope, session.id, content="b", mode="queue")
+    third = await sessions.receive_input(pool, scope, session.id, content="c", mode="queue")
+    turn = await sessions.cancel_turn(pool, scope, second.turn_id)
+    assert turn.status == "cancelled" and turn.result_run_id is None
+    await drain(pool, checkpoint_pool)
+    statuses = [(await sessions.get_turn(pool, scope, r.turn_id)).status for r in (first, second, third)]
+    assert statuses == ["completed", "cancelled", "completed"]
+    assert (await sessions.get_input(pool, scope, second.input_id)).status == "cancelled"
+
+
+async def _gated_run(pool, checkpoint_pool, scope, steps):
+    session = await new_session(pool, scope, {"model": "gated", "tools": ["echo"],
+                                              "replay": {"default": steps}})
+    receipt = await sessions.receive_input(pool, scope, session.id, content="go")
+    (run_id,) = await runs_with_status(pool, "ready")
+    task = asyncio.create_task(executor(pool, checkpoint_pool).execute(run_id))
+    return session, receipt, task
+
+
+async def test_cancel_during_the_final_answer_never_completes(pool, checkpoint_pool, alice):
+    scope = alice[1]
+    with gated.gated_model() as gate:
+        session, receipt, task = await _gated_run(pool, checkpoint_pool, scope,
+                                                  [{"say": "the answer"}])
+        await gate.calls.get()
+        turn = await sessions.cancel_turn(pool, scope, receipt.turn_id)
+        assert turn.status == "running"  # the intent is committed; the worker converges
+        gate.opened.set()
+        assert await task == "cancelled"
+    assert await scalar(pool, "SELECT status FROM yuxi.turns WHERE id = %s",
+                        (receipt.turn_id,)) == "cancelling"
+    assert await _clean(pool, checkpoint_pool, receipt.turn_id)
+    result = await sessions.get_result(pool, scope, receipt.turn_id)
+    assert result.status == "cancelled" and result.output is None
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.events WHERE type = 'turn.completed'") == 0
+
+
+async def test_cancel_at_the_tool_boundary_pairs_every_call(pool, checkpoint_pool, alice):
+    scope = alice[1]
+    calls = {"call": [{"tool": "echo", "args": {"text": "a"}}, {"tool": "echo", "args": {"text": "b"}}]}
+    with gated.gated_model() as gate:
+        session, receipt, task = await _gated_run(pool, checkpoint_pool, scope,
+                                                  [calls, {"say": "never"}])
+        await gate.calls.get()
+        await sessions.cancel_turn(pool, scope, receipt.turn_id)
+        gate.opened.set()
+        assert await task == "cancelled"
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.events WHERE type = 'tool.started'") == 0
+    assert await _clean(pool, checkpoint_pool, receipt.turn_id)
+    history = await conversation.messages(checkpoint_pool, session.id)
+    assert_paired(history)
+    assert all(m["content"] == cleanup.CANCELLED_RESULT for m in history if m["role"] == "tool")
+    # The session goes on normally, with a valid conversation.
+    nxt = await sessions.receive_input(pool, scope, session.id, content="next")
+    with gated.gated_model() as gate:
+        gate.opened.set()
+        await drain(pool, checkpoint_pool)
+    assert (await sessions.get_turn(pool, scope, nxt.turn_id)).status == "completed"
+
+
+async def test_waiting_turn_cleanup_keeps_finished_results_and_children(
+        pool, checkpoint_pool, alice, postgresql):
+    scope = alice[1]
+    root = await new_session(pool, scope, {"model": "replay", "tools": ["cooperation"], "replay": {
+        "rules": [{"match": "^parent", "steps": [
+            {"call": [{"tool": "create_session", "args": {"name": "c1", "task": "one"}}]},
+            {"call": [{"tool": "create_session", "args": {"name": "c2", "task": "two"}},
+                      {"tool": "wait_sessions", "args": {"sessions": ["c1"], "timeout_s": 600}}]},
+            {"say": "not reached"}]}],
+        "default": [{"say": "child done", "delay_ms": 0}]}})
+    receipt = await sessions.receive_input(pool, scope, root.id, content="parent")
+    parent_run = await scalar(pool, "SELECT id FROM yuxi.runs WHERE turn_id = %s", (receipt.turn_id,))
+    # Only the parent runs: it creates both children and waits on the first.
+    assert await executor(pool, checkpoint_pool).execute(parent_run) == "suspended"
+    turn = await sessions.cancel_turn(pool, scope, receipt.turn_id)
+    assert turn.status == "cancelling"
+    assert await scalar(pool, "SELECT status FROM yuxi.waits") == "cancelled"
+    job = await scalar(pool, "SELECT args->>'turn_id' FROM procrastinate.procrastinate_jobs "
+                             "WHERE task_name = 'cleanup_turn'")
+    assert job == str(receipt.turn_id)
+    assert await _clean(pool, checkpoint_pool, receipt.turn_id)
+    history = await conversation.messages(checkpoint_pool, root.id)
+    assert_paired(history)
+    tools = [(m["name"], m["content"]) for m in history if m["role"] == "tool"]
+    # Finished results are kept (once each), the waiting call gets the cancellation.
+    assert [name for name, _ in tools] == ["create_session", "create_session", "wait_sessions"]
+    assert '"path":"/root/c2"' in tools[1][1]
+    assert tools[2][1] == cleanup.CANCELLED_RESULT
+    assert (await sessions.get_turn(pool, scope, receipt.turn_id)).status == "cancelled"
+    # A parent's cancel never kills its children.
+    await drain(pool, checkpoint_pool)
+    children = await rows(pool, "SELECT t.status FROM yuxi.turns t JOIN yuxi.sessions s "
+                                "ON s.id = t.session_id WHERE s.parent_id IS NOT NULL")
+    assert [c["status"] for c in children] == ["completed", "completed"]
+
+
+@pytest.mark.parametrize("crash_after", [1, 2])
+async def test_cleanup_converges_after_a_crash_at_each_commit(
+        pool, checkpoint_pool, alice, crash_after):
+    scope = alice[1]
+    root = await new_session(pool, scope, {"model": "replay", "tools": ["cooperation", "echo"],
+        "replay": {"rules": [{"match": "^parent", "steps": [
+            {"call": [{"tool": "create_session", "args": {"name": "c", "task": "t"}}]},
+            {"call": [{"tool": "echo", "args": {"text": "kept"}},
+                      {"tool": "wait_sessions", "args": {"sessions": ["c"], "timeout_s": 600}}]}]}],
+            "default": [{"say": "child"}]}})
+    receipt = await sessions.receive_input(pool, scope, root.id, content="parent")
+    parent_run = await scalar(pool, "SELECT id FROM yuxi.runs WHERE turn_id = %s", (receipt.turn_id,))
+    assert await executor(pool, checkpoint_pool).execute(parent_run) == "suspended"
+    await sessions.cancel_turn(pool, scope, receipt.turn_id)
+    # The cleanup dies after `crash_after` commits, then the job runs again.
+    assert await cleanup.clean_checkpoint(checkpoint_pool, root.id,
+                                          stop_after=crash_after) == crash_after
+    assert await _clean(pool, checkpoint_pool, receipt.turn_id)
+    history = await conversation.messages(checkpoint_pool, root.id)
+    assert_paired(history)
+    assert [m["name"] for m in history if m["role"] == "tool"] == \
+        ["create_session", "echo", "wait_sessions"]
+    assert [m["content"] for m in history if m["role"] == "tool"][1] == '{"text":"kept"}'
+    # Nothing is left to do: a third run of the cleanup commits nothing.
+    assert await cleanup.clean_checkpoint(checkpoint_pool, root.id) == 0
+
+
+async def test_stop_all_cancels_the_tree_and_continue_resumes_the_queue(
+        pool, checkpoint_pool, alice):
+    scope = alice[1]
+    root = await new_session(pool, scope, {"model": "replay", "tools": ["cooperation"], "replay": {
+        "rules": [{"match": "^parent", "steps": [
+            {"call": [{"tool": "create_session", "args": {"name": "c", "task": "t"}}]},
+            {"call": [{"tool": "wait_sessions", "args": {"sessions": ["c"], "timeout_s": 600}}]},
+            {"say": "never"}]}],
+        "default": [{"say": "done {{ input }}"}]}})
+    receipt = await sessions.receive_input(pool, scope, root.id, content="parent")
+    parent_run = await scalar(pool, "SELECT id FROM yuxi.runs WHERE turn_id = %s", (receipt.turn_id,))
+    assert await executor(pool, checkpoint_pool).execute(parent_run) == "suspended"
+    child = await scalar(pool, "SELECT id FROM yuxi.sessions WHERE name = 'c'")
+    queued = await sessions.receive_input(pool, scope, child, content="later", mode="queue")
+    # Stop from the child: the whole tree stops.
+    assert await sessions.stop_tree(pool, scope, child) == 2
+    for turn_id in await rows(pool, "SELECT id FROM yuxi.turns WHERE status = 'cancelling'"):
+        await _clean(pool, checkpoint_pool, turn_id["id"])
+    states = await rows(pool, "SELECT s.path, t.status FROM yuxi.turns t JOIN yuxi.sessions s "
+                              "ON s.id = t.session_id ORDER BY t.seq")
+    assert states == [{"path": "/root", "status": "cancelled"},
+                      {"path": "/root/c", "status": "cancelled"},
+                      {"path": "/root/c", "status": "queued"}]
+    assert await scalar(pool, "SELECT bool_and(queue_paused) FROM yuxi.sessions")
+    await drain(pool, checkpoint_pool)
+    assert (await sessions.get_turn(pool, scope, queued.turn_id)).status == "queued"
+    resumed = await sessions.continue_queue(pool, scope, child)
+    assert not resumed.queue.paused
+    await drain(pool, checkpoint_pool)
+    assert (await sessions.get_turn(pool, scope, queued.turn_id)).status == "completed"
+    # Continue never revives a cancelled turn.
+    assert (await sessions.get_turn(pool, scope, receipt.turn_id)).status == "cancelled"
+
+
+def test_an_old_stop_cannot_re_pause_a_queue_continued_after_it(db_url, postgresql):
+    from tests.integration.test_slots import make_tree
+    tree, (root,) = make_tree(postgresql, 1)
+    user, app = postgresql.execute("SELECT user_id, app_id FROM yuxi.sessions WHERE id = %s",
+                                   (root,)).fetchone()
+    postgresql.commit()
+    from concurrent.futures import ThreadPoolExecutor
+    with psycopg.connect(db_url) as c1, psycopg.connect(db_url) as c2:
+        c1.execute("SELECT yuxi.stop_tree_v1(%s, %s, %s)", (user, app, root))
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(lambda: c2.execute(
+                "SELECT yuxi.continue_queue_v1(%s, %s, %s)", (user, app, root)).fetchone())
+            wait_until_blocked(postgresql, c2.info.backend_pid)
+            c1.commit()
+            pending.result(timeout=10)
+        c2.commit()
+    assert postgresql.execute("SELECT queue_paused FROM yuxi.sessions WHERE id = %s",
+                              (root,)).fetchone()[0] is False
+
+
+async def test_without_the_merge_step_a_finished_result_is_lost(pool, checkpoint_pool, alice):
+    # Negative case: pairing the calls first (as_node="tool") without merging
+    # the pending writes drops the result of the call that had finished.
+    scope = alice[1]
+    root = await new_session(pool, scope, {"model": "replay", "tools": ["cooperation", "echo"],
+        "replay": {"rules": [{"match": "^parent", "steps": [
+            {"call": [{"tool": "create_session", "args": {"name": "c", "task": "t"}}]},
+            {"call": [{"tool": "echo", "args": {"text": "kept"}},
+                      {"tool": "wait_sessions", "args": {"sessions": ["c"], "timeout_s": 600}}]}]}],
+            "default": [{"say": "child"}]}})
+    receipt = await sessions.receive_input(pool, scope, root.id, content="parent")
+    parent_run = await scalar(pool, "SELECT id FROM yuxi.runs WHERE turn_id = %s", (receipt.turn_id,))
+    assert await executor(pool, checkpoint_pool).execute(parent_run) == "suspended"
+    graph = cleanup.checkpoint_only_graph(checkpoint_pool)
+    cfg = {"configurable": {"thread_id": str(root.id)}}
+    committed = (await graph.aget_state(cfg)).values["messages"]
+    ai = [m for m in committed if isinstance(m, AIMessage)][-1]
+    await graph.aupdate_state(cfg, {"messages": [
+        ToolMessage(content="x", tool_call_id=c["id"], id=f"cancel:{ai.id}:{c['id']}")
+        for c in ai.tool_calls if c["name"] == "wait_sessions"]}, as_node="tool")
+    await graph.aupdate_state(cfg, None, as_node="__end__")
+    history = await conversation.messages(checkpoint_pool, root.id)
+    assert '{"text":"kept"}' not in [m["content"] for m in history]
