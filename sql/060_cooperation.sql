@@ -288,13 +288,15 @@ BEGIN
     PERFORM yuxi.lock_tree_v1(v_wait.tree_id);
     SELECT * INTO v_wait FROM yuxi.waits WHERE id = p_wait FOR UPDATE;
     IF v_wait.status = 'pending' OR v_wait.resume_run_id IS NOT NULL OR NOT EXISTS (
-        SELECT 1 FROM yuxi.turns WHERE id = v_wait.turn_id AND status = 'waiting') THEN
+        SELECT 1 FROM yuxi.turns WHERE id = v_wait.turn_id
+           AND status IN ('waiting', 'waiting_user')) THEN
         RETURN v_wait.resume_run_id;
     END IF;
     SELECT * INTO v_run FROM yuxi.runs WHERE id = v_wait.run_id;
     INSERT INTO yuxi.runs (turn_id, session_id, tree_id, user_id, app_id, config, resume)
     VALUES (v_run.turn_id, v_run.session_id, v_run.tree_id, v_run.user_id, v_run.app_id,
-            v_run.config, jsonb_build_object('reason', v_wait.reason, 'wait_id', v_wait.id))
+            v_run.config, jsonb_build_object('reason', v_wait.reason, 'wait_id', v_wait.id,
+                                             'answer', v_wait.answer))
     RETURNING id INTO v_new;
     UPDATE yuxi.waits SET resume_run_id = v_new WHERE id = p_wait;
     UPDATE yuxi.turns SET status = 'running' WHERE id = v_wait.turn_id;
@@ -458,7 +460,7 @@ BEGIN
     END LOOP;
     FOR v_wait IN SELECT w.id FROM yuxi.waits w JOIN yuxi.turns t ON t.id = w.turn_id
                    WHERE w.status <> 'pending' AND w.status <> 'cancelled'
-                     AND w.resume_run_id IS NULL AND t.status = 'waiting'
+                     AND w.resume_run_id IS NULL AND t.status IN ('waiting', 'waiting_user')
                      AND w.resolved_at < now() - p_grace LOOP
         IF yuxi.resume_wait_v1(v_wait) IS NOT NULL THEN
             v_count := v_count + 1;

@@ -315,3 +315,16 @@ ORDER BY m.seq;
 
 -- name: mark_messages_processed
 SELECT yuxi.mark_messages_processed_v1(%(run_id)s, %(token)s, %(message_ids)s) AS marked;
+
+-- Waiting for a user ---------------------------------------------------------
+
+-- name: suspend_for_user
+SELECT yuxi.suspend_for_user_v1(%(run_id)s, %(token)s, %(kind)s, %(request)s) AS wait_id;
+
+-- name: pending_user_wait
+SELECT w.id, w.kind, w.request FROM yuxi.waits w
+WHERE w.turn_id = %(turn_id)s AND w.user_id = %(user_id)s AND w.app_id = %(app_id)s
+  AND w.status = 'pending' AND w.kind IN ('approval', 'questions');
+
+-- name: answer_turn
+SELECT yuxi.answer_turn_v1(%(user_id)s, %(app_id)s, %(turn_id)s, %(wait_id)s, %(answer)s) AS run_id;

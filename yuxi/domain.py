@@ -139,6 +139,8 @@ class Turn(msgspec.Struct, frozen=True):
     started_at: dt.datetime | None
     finished_at: dt.datetime | None
     runs: list[Run] | None = None
+    # What the turn waits for from its user (approval or questions), if any.
+    pending: dict[str, Any] | None = None
 
 
 class TurnResult(msgspec.Struct, frozen=True):

@@ -66,7 +66,7 @@ async def test_fan_out_wait_and_exact_results(pool, checkpoint_pool, alice):
 
 async def test_children_inherit_the_dispatching_runs_config(pool, checkpoint_pool, alice):
     scope = alice[1]
-    config = orchestrator(1, approval_mode="confirm")
+    config = orchestrator(1, system_prompt="be brief")
     config["replay"]["default"] = [{"say": "{{ model }} {{ approval_mode }}"}]
     root = await new_session(pool, scope, config)
     # A one-off override for this input: the child inherits what the run used.
@@ -76,7 +76,12 @@ async def test_children_inherit_the_dispatching_runs_config(pool, checkpoint_poo
     child_turn = await scalar(pool, "SELECT t.id FROM yuxi.turns t JOIN yuxi.sessions s "
                                     "ON s.id = t.session_id WHERE s.path = '/root/w0'")
     out = await sessions.get_result(pool, scope, child_turn)
-    assert out.output["text"] == "replay/once confirm"
+    assert out.output["text"] == "replay/once auto"
+    # The child's frozen config is the dispatching run's actual config.
+    child_config = await scalar(pool, "SELECT config FROM yuxi.sessions WHERE name = 'w0'")
+    run_config = await scalar(pool, "SELECT config FROM yuxi.runs WHERE session_id = %s "
+                                    "ORDER BY slot_seq LIMIT 1", (root.id,))
+    assert child_config == run_config and child_config["system_prompt"] == "be brief"
 
 
 @pytest.mark.parametrize("name", ["a/b", "/root/x", ".", "..", "", "x" * 65, "a b", "-x"])

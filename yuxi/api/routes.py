@@ -8,7 +8,10 @@ from typing import Annotated, Any
 from litestar import Controller, Request, get, post
 from litestar.params import FromPath, FromQuery, JSONBody, QueryParameter
 
-from yuxi.api.schemas import AgentCreate, InputCreate, Page, SessionCreate, SessionUpdate
+import msgspec
+
+from yuxi.api.schemas import (AgentCreate, InputCreate, Page, SessionCreate, SessionUpdate,
+                              TurnAnswer)
 from yuxi.api.auth import Caller
 from yuxi.domain import Agent, Input, Receipt, Scope, Session, Turn, TurnResult
 from yuxi.services import accounts, conversation, sessions
@@ -123,6 +126,14 @@ class TurnController(Controller):
     async def cancel_turn(self, request: Request, caller: Caller,
                           turn_id: FromPath[uuid.UUID]) -> Turn:
         return await sessions.cancel_turn(_pool(request), caller, turn_id)
+
+    @post("/{turn_id:uuid}/answer", operation_id="answerTurn", status_code=202)
+    async def answer(self, request: Request, caller: Caller, turn_id: FromPath[uuid.UUID],
+                     data: JSONBody[TurnAnswer]) -> Turn:
+        return await sessions.answer_turn(
+            _pool(request), caller, turn_id,
+            decisions=[msgspec.to_builtins(d) for d in data.decisions or []],
+            answers=data.answers)
 
     @get("/{turn_id:uuid}/result", operation_id="getTurnResult")
     async def get_result(self, request: Request, caller: Caller, turn_id: FromPath[uuid.UUID]) -> TurnResult:

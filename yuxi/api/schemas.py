@@ -44,6 +44,17 @@ class InputCreate(msgspec.Struct, forbid_unknown_fields=True):
                                                     pattern=r"\S")] | None = None
 
 
+class Decision(msgspec.Struct, forbid_unknown_fields=True):
+    call_id: str
+    approve: bool
+    message: str | None = None
+
+
+class TurnAnswer(msgspec.Struct, forbid_unknown_fields=True):
+    decisions: list[Decision] | None = None
+    answers: dict[str, str | list[str]] | None = None
+
+
 class Page(msgspec.Struct):
     items: list[Any]
     next_cursor: str | None

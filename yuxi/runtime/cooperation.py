@@ -337,12 +337,13 @@ async def get_result(ctx: ToolContext, args: dict[str, Any]) -> Any:
     return msgspec.to_builtins(result)
 
 
-for _name, _fn, _waits in [
-    ("create_session", create_session, False), ("send_message", send_message, False),
-    ("submit_input", submit_input, False), ("cancel_turn", cancel_turn, False),
-    ("wait_sessions", wait_sessions, True), ("list_sessions", list_sessions, False),
-    ("wait_inputs", wait_inputs, True), ("get_result", get_result, False),
+for _name, _fn, _waits, _effect_tool in [
+    ("create_session", create_session, False, True),
+    ("send_message", send_message, False, True),
+    ("submit_input", submit_input, False, True), ("cancel_turn", cancel_turn, False, True),
+    ("wait_sessions", wait_sessions, True, False), ("list_sessions", list_sessions, False, False),
+    ("wait_inputs", wait_inputs, True, False), ("get_result", get_result, False, False),
 ]:
-    register(_name, Tool(_fn, waits=_waits))
+    register(_name, Tool(_fn, waits=_waits, side_effect=_effect_tool))
 
 COOPERATION_TOOLS = tuple(SCHEMAS)

@@ -22,7 +22,7 @@ from yuxi.errors import LeaseLost, YuxiError
 from yuxi.runtime.graph import build_graph
 from yuxi.runtime.models import build_chat_model
 from yuxi.runtime.saver import FencedSaver
-from yuxi.runtime import cooperation
+from yuxi.runtime import cooperation, questions  # noqa: F401  (they register their tools)
 from yuxi.runtime.tools import ToolContext, available_tools
 from yuxi.services import resources, runs
 from yuxi.settings import Settings
@@ -155,11 +155,28 @@ class TurnCancelled(Exception):
 
 
 class Suspended(Exception):
-    """The graph stopped at an interrupt (a wait tool); `value` says on what."""
+    """The graph stopped at interrupts (wait tools, approvals, questions)."""
 
-    def __init__(self, value: dict[str, Any]) -> None:
+    def __init__(self, interrupts: list[Any]) -> None:
         super().__init__("suspended")
-        self.value = value
+        self.interrupts = interrupts
+
+    def user_request(self) -> tuple[str, dict[str, Any]] | None:
+        """What to ask the user, if any interrupt is for the user."""
+        approvals = [{**i.value, "interrupt_id": i.id} for i in self.interrupts
+                     if i.value.get("kind") == "approval"]
+        questions = [{**q, "interrupt_id": i.id} for i in self.interrupts
+                     if i.value.get("kind") == "questions" for q in i.value["questions"]]
+        if approvals:
+            return "approval", {"approvals": [{k: a[k] for k in ("call_id", "tool", "args",
+                                                                 "interrupt_id")}
+                                              for a in approvals], "questions": questions}
+        if questions:
+            return "questions", {"questions": questions}
+        return None
+
+    def cooperation_wait(self) -> dict[str, Any]:
+        return next(i.value for i in self.interrupts if i.value.get("kind") in ("sessions", "inputs"))
 
 
 async def drive(graph: Any, cfg: dict[str, Any], run: dict[str, Any],
@@ -176,15 +193,19 @@ async def drive(graph: Any, cfg: dict[str, Any], run: dict[str, Any],
     if not any(m.id == first.id for m in messages):
         await graph.ainvoke({"messages": [first, *extra]}, cfg, durability="sync")
     elif state.next and state.interrupts:
-        await graph.ainvoke(Command(resume=resume or {"reason": "retry"}), cfg,
-                            durability="sync")
+        if resume and resume.get("answer"):
+            # The user's answers, by interrupt id (approvals, questions).
+            command = Command(resume=resume["answer"])
+        else:
+            command = Command(resume=resume or {"reason": "retry"})
+        await graph.ainvoke(command, cfg, durability="sync")
     elif state.next:
         await graph.ainvoke(None, cfg, durability="sync")
     elif extra:
         await graph.ainvoke({"messages": list(extra)}, cfg, durability="sync")
     state = await graph.aget_state(cfg)
     if state.interrupts:
-        raise Suspended(state.interrupts[0].value)
+        raise Suspended(list(state.interrupts))
     messages = state.values["messages"]
     return turn_output(messages, first.id), delivered_steers(messages, first.id)
 
@@ -266,7 +287,10 @@ class RunExecutor:
             try:
                 output, delivered = await drive(graph, cfg, run, extra, resume)
             except Suspended as stop:
-                wait = stop.value
+                if (ask := stop.user_request()) is not None:
+                    await runs.suspend_for_user(self.pool, run["id"], token, *ask)
+                    return "suspended"
+                wait = stop.cooperation_wait()
                 outcome = await runs.suspend(
                     self.pool, run["id"], token, wait["kind"],
                     [uuid.UUID(t) for t in wait["targets"]], wait["cursor"], wait["timeout_s"])

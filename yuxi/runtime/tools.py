@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 from langgraph.errors import GraphBubbleUp
+from langgraph.types import interrupt
 from psycopg_pool import AsyncConnectionPool
 
 from yuxi import db
@@ -68,6 +69,8 @@ class Tool(msgspec.Struct, frozen=True):
     group: str | None = None
     # Tools that suspend the run until something happens (one per step).
     waits: bool = False
+    # Side-effecting tools ask their user first in approval mode "confirm".
+    side_effect: bool = False
 
 
 async def _echo(ctx: ToolContext, args: dict[str, Any]) -> Any:
@@ -98,7 +101,7 @@ async def _search_notes(ctx: ToolContext, args: dict[str, Any]) -> Any:
 
 BUILTIN_TOOLS: dict[str, Tool] = {
     "echo": Tool(_echo),
-    "add_note": Tool(_add_note, group="notes"),
+    "add_note": Tool(_add_note, group="notes", side_effect=True),
     "search_notes": Tool(_search_notes, group="notes"),
 }
 
@@ -114,6 +117,22 @@ def available_tools(selected: list[str], visible: list[Resolved]) -> dict[str, T
             if name in BUILTIN_TOOLS and BUILTIN_TOOLS[name].group in (None, *groups)}
 
 
+def _approval(tool: Tool, ctx: ToolContext | None, name: str,
+              args: dict[str, Any]) -> dict[str, Any] | None:
+    """In approval mode "confirm" a side-effecting call first asks the user
+    (the run suspends; the answer resumes it here). Returns the result of a
+    rejected call, None when the call may run."""
+    if not tool.side_effect or ctx is None or \
+            ctx.run.get("config", {}).get("approval_mode") != "confirm":
+        return None
+    decision = interrupt({"kind": "approval", "call_id": ctx.call_id, "tool": name,
+                          "args": args})
+    if isinstance(decision, dict) and decision.get("approve") is True:
+        return None
+    message = decision.get("message") if isinstance(decision, dict) else None
+    return error_result("rejected_by_user", message or f"the user rejected this {name} call")
+
+
 def error_result(code: str, message: str) -> dict[str, Any]:
     return {"error": {"code": code, "message": message}}
 
@@ -127,6 +146,8 @@ async def call_tool(tools: dict[str, Tool], ctx: ToolContext, name: str,
         result: Any = error_result("unknown_tool", f"no tool named {name!r} is available")
     elif not isinstance(args, dict):
         result = error_result("invalid_arguments", "tool arguments must be an object")
+    elif (rejected := _approval(tool, ctx, name, args)) is not None:
+        result = rejected
     else:
         try:
             result = await tool.fn(ctx, args)

@@ -128,6 +128,13 @@ async def suspend(
     return row["outcome"]
 
 
+async def suspend_for_user(pool: AsyncConnectionPool, run_id: uuid.UUID, token: uuid.UUID,
+                           kind: str, request: dict[str, Any]) -> uuid.UUID:
+    async with pool.connection() as conn:
+        return (await db.fetch_one(conn, "suspend_for_user", {
+            "run_id": run_id, "token": token, "kind": kind, "request": Jsonb(request)}))["wait_id"]
+
+
 async def resume_wait(pool: AsyncConnectionPool, wait_id: uuid.UUID) -> uuid.UUID | None:
     async with pool.connection() as conn:
         return (await db.fetch_one(conn, "resume_wait", {"wait_id": wait_id}))["run_id"]

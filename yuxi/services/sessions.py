@@ -12,7 +12,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from yuxi import db
 from yuxi.domain import Input, Receipt, Run, Scope, Session, Turn, TurnResult, from_row
-from yuxi.errors import InvalidRequest, NotFound
+from yuxi.errors import IllegalTransition, InvalidRequest, NotFound
 from yuxi.runtime.models import UnknownModelError, check_model_name
 from yuxi.services.accounts import get_agent
 
@@ -217,7 +217,70 @@ async def get_turn(pool: AsyncConnectionPool, scope: Scope, turn_id: uuid.UUID) 
         if row is None:
             raise NotFound(f"turn {turn_id} not found", turn_id=turn_id)
         runs = await db.fetch_all(conn, "runs_of_turn", {"turn_id": turn_id})
-    return from_row(Turn, {**row, "runs": [from_row(Run, r) for r in runs]})
+        wait = await db.fetch_one(conn, "pending_user_wait",
+                                  {**scope.params(), "turn_id": turn_id})
+    return from_row(Turn, {**row, "runs": [from_row(Run, r) for r in runs],
+                           "pending": public_request(wait) if wait else None})
+
+
+_PUBLIC = {"approvals": ("call_id", "tool", "args"),
+           "questions": ("id", "question", "options", "multi_select", "allow_other")}
+
+
+def public_request(wait: dict[str, Any]) -> dict[str, Any]:
+    """A pending user request as clients see it (no internal ids)."""
+    out: dict[str, Any] = {"kind": wait["kind"]}
+    for key, fields in _PUBLIC.items():
+        if wait["request"].get(key):
+            out[key] = [{f: item[f] for f in fields} for item in wait["request"][key]]
+    return out
+
+
+async def answer_turn(pool: AsyncConnectionPool, scope: Scope, turn_id: uuid.UUID, *,
+                      decisions: list[dict[str, Any]] | None = None,
+                      answers: dict[str, Any] | None = None) -> Turn:
+    """Answer what the turn waits for (approval decisions and/or answers to
+    questions); it resumes in a new run. Incomplete answers are a 422 that
+    lists what is missing, and change nothing (the same answer can be sent
+    again)."""
+    from yuxi.runtime.questions import answer_errors
+
+    async with pool.connection() as conn:
+        wait = await db.fetch_one(conn, "pending_user_wait", {**scope.params(), "turn_id": turn_id})
+    if wait is None:
+        await get_turn(pool, scope, turn_id)  # 404 when it is not ours
+        err = IllegalTransition(f"turn {turn_id} is not waiting for an answer")
+        raise err
+    request = wait["request"]
+    resume: dict[str, Any] = {}
+    errors: list[dict[str, str]] = []
+    approvals = request.get("approvals") or []
+    if approvals:
+        given = {d.get("call_id"): d for d in decisions or [] if isinstance(d, dict)}
+        for item in approvals:
+            decision = given.get(item["call_id"])
+            if decision is None or not isinstance(decision.get("approve"), bool):
+                errors.append({"field": f"decisions.{item['call_id']}",
+                               "message": f"missing decision for {item['tool']} call"})
+            else:
+                resume[item["interrupt_id"]] = {"approve": decision["approve"],
+                                                "message": decision.get("message")}
+        unknown = set(given) - {a["call_id"] for a in approvals}
+        errors += [{"field": f"decisions.{u}", "message": "no such call"} for u in unknown]
+    questions = request.get("questions") or []
+    if questions:
+        errors += answer_errors(questions, answers)
+        if not errors:
+            for q in questions:
+                resume.setdefault(q["interrupt_id"], {})[q["id"]] = answers[q["id"]]
+    if errors:
+        raise InvalidRequest("the answer is incomplete: " + "; ".join(
+            f"{e['field']}: {e['message']}" for e in errors), errors=errors)
+    async with pool.connection() as conn:
+        await db.fetch_one(conn, "answer_turn", {
+            **scope.params(), "turn_id": turn_id, "wait_id": wait["id"],
+            "answer": Jsonb(resume)})
+    return await get_turn(pool, scope, turn_id)
 
 
 async def get_result(pool: AsyncConnectionPool, scope: Scope, turn_id: uuid.UUID) -> TurnResult:
