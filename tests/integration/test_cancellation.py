@@ -236,3 +236,42 @@ async def test_without_the_merge_step_a_finished_result_is_lost(pool, checkpoint
     await graph.aupdate_state(cfg, None, as_node="__end__")
     history = await conversation.messages(checkpoint_pool, root.id)
     assert '{"text":"kept"}' not in [m["content"] for m in history]
+
+
+async def test_without_the_completion_check_a_cancelled_turn_completes(
+        pool, checkpoint_pool, alice):
+    # Negative case: if completing ignored a committed intent, a cancel during
+    # the final answer would end as a completed result.
+    async with pool.connection() as conn:
+        src = (await (await conn.execute(
+            "SELECT pg_get_functiondef('yuxi.complete_run_v1'::regproc) AS d")).fetchone())["d"]
+        guard = "WHERE id = v_run.turn_id AND cancel_requested_at IS NOT NULL"
+        assert guard in src
+        await conn.execute(src.replace(guard, "WHERE false"))
+    scope = alice[1]
+    with gated.gated_model() as gate:
+        # No tool boundary before the answer: only the completion check stands.
+        session, receipt, task = await _gated_run(pool, checkpoint_pool, scope,
+                                                  [{"say": "the answer"}])
+        await gate.calls.get()
+        await sessions.cancel_turn(pool, scope, receipt.turn_id)
+        gate.opened.set()
+        assert await task == "completed"
+    assert (await sessions.get_turn(pool, scope, receipt.turn_id)).status == "completed"
+
+
+async def test_sweep_redelivers_a_lost_cleanup(pool, checkpoint_pool, alice):
+    import datetime as dt
+    from yuxi.services import runs
+    scope = alice[1]
+    session = await new_session(pool, scope)
+    receipt = await sessions.receive_input(pool, scope, session.id, content="x")
+    assert (await sessions.cancel_turn(pool, scope, receipt.turn_id)).status == "cancelling"
+    async with pool.connection() as conn, conn.transaction():
+        await conn.execute("SET LOCAL search_path = procrastinate")
+        await conn.execute("DELETE FROM procrastinate_jobs WHERE task_name = 'cleanup_turn'")
+    assert await runs.redeliver_cleanups(pool, dt.timedelta(hours=1)) == 0  # too recent
+    assert await runs.redeliver_cleanups(pool, dt.timedelta(0)) == 1
+    assert await runs.redeliver_cleanups(pool, dt.timedelta(0)) == 0  # its job is there now
+    assert await _clean(pool, checkpoint_pool, receipt.turn_id)
+    assert (await sessions.get_turn(pool, scope, receipt.turn_id)).status == "cancelled"

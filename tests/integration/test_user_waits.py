@@ -117,3 +117,27 @@ async def test_cancel_while_waiting_for_the_user(pool, checkpoint_pool, alice):
     # The session takes input again.
     nxt = await sessions.receive_input(pool, scope, session.id, content="again")
     assert nxt.status == "started"
+
+
+async def test_a_failed_answer_leaves_the_turn_waiting_and_can_be_retried(
+        pool, checkpoint_pool, alice):
+    scope = alice[1]
+    session, receipt = await _confirming(pool, checkpoint_pool, scope)
+    call_id = (await sessions.get_turn(pool, scope, receipt.turn_id)).pending["approvals"][0]["call_id"]
+    async with pool.connection() as conn:
+        src = (await (await conn.execute(
+            "SELECT pg_get_functiondef('yuxi.resume_wait_v1'::regproc) AS d")).fetchone())["d"]
+        # Test-only: the resume fails server-side.
+        await conn.execute("""CREATE OR REPLACE FUNCTION yuxi.resume_wait_v1(p_wait uuid)
+                              RETURNS uuid LANGUAGE plpgsql AS $$
+                              BEGIN RAISE EXCEPTION 'boom'; END $$""")
+    decision = [{"call_id": call_id, "approve": True}]
+    with pytest.raises(Exception, match="boom"):
+        await sessions.answer_turn(pool, scope, receipt.turn_id, decisions=decision)
+    turn = await sessions.get_turn(pool, scope, receipt.turn_id)
+    assert turn.status == "waiting_user" and turn.pending is not None
+    async with pool.connection() as conn:
+        await conn.execute(src)
+    await sessions.answer_turn(pool, scope, receipt.turn_id, decisions=decision)
+    await drain(pool, checkpoint_pool)
+    assert (await sessions.get_result(pool, scope, receipt.turn_id)).output["text"] == "noted"
