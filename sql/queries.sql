@@ -328,3 +328,30 @@ WHERE w.turn_id = %(turn_id)s AND w.user_id = %(user_id)s AND w.app_id = %(app_i
 
 -- name: answer_turn
 SELECT yuxi.answer_turn_v1(%(user_id)s, %(app_id)s, %(turn_id)s, %(wait_id)s, %(answer)s) AS run_id;
+
+-- Sandbox -------------------------------------------------------------------
+
+-- name: claim_sandbox
+SELECT yuxi.claim_sandbox_v1(%(run_id)s, %(token)s, %(now)s) AS generation;
+
+-- name: touch_sandbox
+SELECT yuxi.touch_sandbox_v1(%(tree_id)s, %(now)s);
+
+-- name: idle_sandboxes
+SELECT tree_id FROM yuxi.sandboxes
+WHERE status = 'active' AND last_activity_at < %(before)s
+ORDER BY last_activity_at LIMIT 100;
+
+-- name: begin_sandbox_release
+SELECT yuxi.begin_sandbox_release_v1(%(tree_id)s, %(now)s, %(idle)s) AS generation;
+
+-- name: sandbox_processes
+SELECT pid FROM yuxi.sandbox_processes WHERE tree_id = %(tree_id)s AND generation = %(generation)s;
+
+-- name: record_sandbox_process
+INSERT INTO yuxi.sandbox_processes (tree_id, generation, pid, run_id, command)
+SELECT r.tree_id, %(generation)s, %(pid)s, r.id, %(command)s FROM yuxi.runs r
+WHERE r.id = %(run_id)s AND r.lease_token = %(token)s AND r.status = 'running';
+
+-- name: check_grant
+SELECT yuxi.check_grant_v1(%(user_id)s, %(app_id)s, %(kind)s, %(name)s) AS resource_id;

@@ -19,7 +19,7 @@ from workers.app import app, settings
 from yuxi import db
 from yuxi.runtime import cleanup
 from yuxi.runtime.executor import RunExecutor
-from yuxi.services import runs
+from yuxi.services import runs, sandbox
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,15 @@ async def cleanup_turn(turn_id: str) -> bool:
     executor = await _executor()
     return await cleanup.clean_cancelled_turn(executor.pool, executor.checkpoint_pool,
                                               uuid.UUID(turn_id))
+
+
+@app.periodic(cron="* * * * * */30")
+@app.task(name="release_idle_sandboxes", queue="maintenance", pass_context=True,
+          queueing_lock="release_idle_sandboxes")
+async def release_idle_sandboxes(context: JobContext, timestamp: int) -> int:
+    """Release tree sandboxes idle for 5 minutes (their workdirs stay)."""
+    executor = await _executor()
+    return len(await sandbox.release_idle(executor.pool, settings.data_dir))
 
 
 @app.periodic(cron="* * * * * */2")

@@ -24,6 +24,8 @@ class Settings(msgspec.Struct, frozen=True):
     sse_keepalive_seconds: float = 15.0
     # Concurrent runs one worker process executes.
     worker_concurrency: int = 16
+    # Where tree workdirs and sandboxes live (shared by workers of one host).
+    data_dir: str = ".yuxi/data"
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -40,6 +42,7 @@ class Settings(msgspec.Struct, frozen=True):
                 max_run_attempts=int(env.get("YUXI_MAX_RUN_ATTEMPTS", "3")),
                 sse_keepalive_seconds=float(env.get("YUXI_SSE_KEEPALIVE_SECONDS", "15")),
                 worker_concurrency=int(env.get("YUXI_WORKER_CONCURRENCY", "16")),
+                data_dir=env.get("YUXI_DATA_DIR", ".yuxi/data"),
             )
         except ValueError as exc:
             raise SystemExit(f"yuxi: invalid setting: {exc}") from None

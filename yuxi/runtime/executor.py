@@ -22,9 +22,9 @@ from yuxi.errors import LeaseLost, YuxiError
 from yuxi.runtime.graph import build_graph
 from yuxi.runtime.models import build_chat_model
 from yuxi.runtime.saver import FencedSaver
-from yuxi.runtime import cooperation, questions  # noqa: F401  (they register their tools)
+from yuxi.runtime import cooperation, questions, sandbox_tools  # noqa: F401  (tool registration)
 from yuxi.runtime.tools import ToolContext, available_tools
-from yuxi.services import resources, runs
+from yuxi.services import resources, runs, sandbox
 from yuxi.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -280,7 +280,21 @@ class RunExecutor:
         visible = await resources.resolve(self.pool, run["user_id"], run["app_id"],
                                           run["config"].get("resources", []))
         resources.require_all_granted(visible)
-        graph, cfg = self._graph(run, token, visible)
+        box = None
+        if any(t.group == "sandbox" for t in available_tools(selected_tools(run["config"]),
+                                                            visible).values()):
+            # The run holds the tree's sandbox while it executes.
+            box = await sandbox.claim(self.pool, self.settings.data_dir, run["id"], token,
+                                      run["tree_id"])
+        try:
+            return await self._drive_turn(run, token, visible, box)
+        finally:
+            if box is not None:
+                await sandbox.touch(self.pool, run["tree_id"])
+
+    async def _drive_turn(self, run: dict[str, Any], token: uuid.UUID,
+                          visible: list[resources.Resolved], box: Any) -> str:
+        graph, cfg = self._graph(run, token, visible, box)
         extra: list[Any] = []
         resume = run.get("resume")
         while True:
@@ -306,7 +320,8 @@ class RunExecutor:
                 (await graph.aget_state(cfg)).values["messages"])
 
     def _graph(self, run: dict[str, Any], token: uuid.UUID,
-               visible: list[resources.Resolved] = ()) -> tuple[Any, dict[str, Any]]:
+               visible: list[resources.Resolved] = (), box: Any = None,
+               ) -> tuple[Any, dict[str, Any]]:
         config = run["config"]
         session = {"id": str(run["session_id"]), "name": run["session_name"],
                    "path": run["session_path"],
@@ -327,7 +342,7 @@ class RunExecutor:
                                 pool=self.pool, run_id=run["id"], token=token,
                                 call_id=call_id, visible=tuple(visible), run=run,
                                 cursors=cursors, waits_in_step=waits_in_step,
-                                default_model=self.settings.default_model),
+                                default_model=self.settings.default_model, sandbox=box),
                             guard=lambda: self._guard(run["turn_id"]))
         cfg = {"configurable": {"thread_id": str(run["session_id"])},
                "recursion_limit": 2 * int(config.get("max_steps", 25)) + 2}

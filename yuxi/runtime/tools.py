@@ -38,6 +38,9 @@ class ToolContext(msgspec.Struct, frozen=True):
     # Wait tools called by the same model message (one wait per step).
     waits_in_step: int = 0
     default_model: str = "replay"
+    # The tree's workdir and sandbox (yuxi.services.sandbox.Sandbox), when
+    # the run has sandbox tools.
+    sandbox: Any = None
 
     def visible_resource(self, kind: str, name: str) -> uuid.UUID:
         for r in self.visible:

@@ -1,0 +1,128 @@
+"""Tree sandboxes: claims, idle release under the per-tree advisory lock
+(the releaser never runs while a run of the tree is active; a claim racing a
+release gets a fresh generation), with an injectable clock."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import psycopg
+import pytest
+
+from tests.integration.helpers import new_session, runs_with_status, scalar
+from tests.integration.test_config import wait_until_blocked
+from yuxi.services import runs, sandbox, sessions
+
+T0 = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
+
+
+def at(minutes: float):
+    return lambda: T0 + dt.timedelta(minutes=minutes)
+
+
+async def _run_with_sandbox(pool, scope, tmp_path, minute=0):
+    session = await new_session(pool, scope)
+    await sessions.receive_input(pool, scope, session.id, content="x")
+    (run_id,) = await runs_with_status(pool, "ready")
+    token = uuid.uuid4()
+    run = await runs.start_run(pool, run_id, token, 60)
+    box = await sandbox.claim(pool, tmp_path, run_id, token, run["tree_id"], now=at(minute))
+    return run, token, box
+
+
+class Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, box, pids):
+        self.calls.append((box.generation, pids))
+        sandbox.release_files_and_processes(box, pids)
+
+
+async def test_idle_release_keeps_the_workdir_and_reprovisions(pool, alice, tmp_path):
+    run, token, box = await _run_with_sandbox(pool, alice[1], tmp_path)
+    (box.workdir / "kept.txt").write_text("stays")
+    (box.tmp / "scratch").write_text("goes")
+    await runs.complete(pool, run["id"], token, {"text": "done"})
+    releaser = Recorder()
+    assert await sandbox.release_idle(pool, tmp_path, now=at(4.9), releaser=releaser) == []
+    assert await sandbox.release_idle(pool, tmp_path, now=at(5.1), releaser=releaser) == [run["tree_id"]]
+    assert releaser.calls == [(1, [])]
+    assert (box.workdir / "kept.txt").read_text() == "stays"
+    assert not box.tmp.exists()
+    # The next run of the tree gets a fresh generation.
+    await sessions.receive_input(pool, alice[1], run["session_id"], content="again")
+    (nxt,) = await runs_with_status(pool, "ready")
+    token2 = uuid.uuid4()
+    await runs.start_run(pool, nxt, token2, 60)
+    fresh = await sandbox.claim(pool, tmp_path, nxt, token2, run["tree_id"], now=at(6))
+    assert fresh.generation == 2 and fresh.tmp.exists() and not (fresh.tmp / "scratch").exists()
+
+
+async def test_the_releaser_is_never_called_while_a_run_is_active(pool, alice, tmp_path):
+    run, token, box = await _run_with_sandbox(pool, alice[1], tmp_path)
+    releaser = Recorder()
+    # Idle by the clock, but the run still executes.
+    assert await sandbox.release_idle(pool, tmp_path, now=at(60), releaser=releaser) == []
+    assert releaser.calls == [] and box.tmp.exists()
+
+
+async def test_without_the_active_run_check_the_releaser_would_run(pool, alice, tmp_path):
+    # Negative case: drop the active-run condition from the idle decision.
+    async with pool.connection() as conn:
+        src = (await (await conn.execute(
+            "SELECT pg_get_functiondef('yuxi.begin_sandbox_release_v1'::regproc) AS d")).fetchone())["d"]
+        check = "OR EXISTS (SELECT 1 FROM yuxi.runs WHERE tree_id = p_tree"
+        assert check in src
+        await conn.execute(src.replace(check, "OR false AND EXISTS (SELECT 1 FROM yuxi.runs WHERE tree_id = p_tree"))
+    run, token, box = await _run_with_sandbox(pool, alice[1], tmp_path)
+    releaser = Recorder()
+    assert await sandbox.release_idle(pool, tmp_path, now=at(60), releaser=releaser) != []
+    assert releaser.calls  # it would have deleted a sandbox in use
+
+
+async def _claim_racing_release(pool, scope, tmp_path, db_url, postgresql) -> int:
+    """Connection 1 decides a release (no run active) and, holding the
+    sandbox lock, is deleting; meanwhile a new run starts and claims the
+    sandbox on connection 2. Returns the generation the claim got."""
+    run, token, box = await _run_with_sandbox(pool, scope, tmp_path)
+    await runs.complete(pool, run["id"], token, {"text": "done"})
+    with psycopg.connect(db_url) as c1, psycopg.connect(db_url) as c2:
+        gen = c1.execute("SELECT yuxi.begin_sandbox_release_v1(%s, %s, interval '5 minutes')",
+                         (run["tree_id"], T0 + dt.timedelta(minutes=10))).fetchone()[0]
+        assert gen == 1
+        # A new run of the tree starts after the decision.
+        await sessions.receive_input(pool, scope, run["session_id"], content="again")
+        (nxt,) = await runs_with_status(pool, "ready")
+        token2 = uuid.uuid4()
+        await runs.start_run(pool, nxt, token2, 60)
+        with ThreadPoolExecutor(1) as ex:
+            claim = ex.submit(lambda: c2.execute(
+                "SELECT yuxi.claim_sandbox_v1(%s, %s, %s)",
+                (nxt, token2, T0 + dt.timedelta(minutes=10))).fetchone()[0])
+            wait_until_blocked(postgresql, c2.info.backend_pid)
+            sandbox.release_files_and_processes(box, [])  # the releaser, under the lock
+            c1.commit()
+            generation = claim.result(timeout=10)
+        c2.commit()
+    return generation
+
+
+async def test_a_claim_racing_a_release_gets_a_fresh_generation(
+        pool, alice, tmp_path, db_url, postgresql):
+    assert await _claim_racing_release(pool, alice[1], tmp_path, db_url, postgresql) == 2
+
+
+async def test_without_the_lock_the_claim_keeps_the_half_deleted_sandbox(
+        pool, alice, tmp_path, db_url, postgresql):
+    # Negative case: a claim that does not take the sandbox lock reads the
+    # generation being deleted and keeps using it.
+    src = postgresql.execute(
+        "SELECT pg_get_functiondef('yuxi.claim_sandbox_v1'::regproc)").fetchone()[0]
+    lock = "PERFORM pg_advisory_xact_lock(yuxi.lock_key_v1('sandbox:' || v_tree));"
+    assert lock in src
+    postgresql.execute(src.replace(lock, ""))
+    postgresql.commit()
+    assert await _claim_racing_release(pool, alice[1], tmp_path, db_url, postgresql) == 1

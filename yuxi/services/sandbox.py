@@ -1,0 +1,100 @@
+"""The lease service of tree sandboxes.
+
+A tree has one persistent workdir (`<data>/workdirs/<tree>`) and one sandbox
+generation at a time: a temp area (`<data>/sandboxes/<tree>/<generation>/tmp`)
+and the background processes started in it. The sandbox is released after
+IDLE of inactivity — fixed here, not a setting: its temp files and processes
+go, the workdir stays; the next run provisions a fresh generation.
+
+This shares files, processes and ports between the members of a tree on
+purpose; it is no isolation between parties who do not trust each other.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import shutil
+import signal
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+from psycopg_pool import AsyncConnectionPool
+
+from yuxi import db
+
+IDLE = dt.timedelta(minutes=5)
+
+Clock = Callable[[], dt.datetime]
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+class Sandbox(msgspec.Struct, frozen=True):
+    tree_id: uuid.UUID
+    generation: int
+    workdir: Path
+    tmp: Path
+
+
+def locate(data_dir: str | Path, tree_id: uuid.UUID, generation: int) -> Sandbox:
+    base = Path(data_dir).resolve()
+    return Sandbox(tree_id=tree_id, generation=generation,
+                   workdir=base / "workdirs" / str(tree_id),
+                   tmp=base / "sandboxes" / str(tree_id) / str(generation) / "tmp")
+
+
+async def claim(pool: AsyncConnectionPool, data_dir: str | Path, run_id: uuid.UUID,
+                token: uuid.UUID, tree_id: uuid.UUID, *, now: Clock = utcnow) -> Sandbox:
+    """The sandbox of the run's tree, provisioned (or re-provisioned after a
+    release) for this run."""
+    async with pool.connection() as conn:
+        row = await db.fetch_one(conn, "claim_sandbox",
+                                 {"run_id": run_id, "token": token, "now": now()})
+    box = locate(data_dir, tree_id, row["generation"])
+    box.workdir.mkdir(parents=True, exist_ok=True)
+    box.tmp.mkdir(parents=True, exist_ok=True)
+    return box
+
+
+async def touch(pool: AsyncConnectionPool, tree_id: uuid.UUID, *, now: Clock = utcnow) -> None:
+    async with pool.connection() as conn:
+        await db.execute(conn, "touch_sandbox", {"tree_id": tree_id, "now": now()})
+
+
+def release_files_and_processes(box: Sandbox, pids: list[int]) -> None:
+    """The releaser: kill the generation's background processes (their
+    process groups) and delete its temp area. The workdir stays."""
+    for pid in pids:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    shutil.rmtree(box.tmp.parent, ignore_errors=True)
+
+
+async def release_idle(pool: AsyncConnectionPool, data_dir: str | Path, *, now: Clock = utcnow,
+                       releaser=release_files_and_processes) -> list[uuid.UUID]:
+    """Release every sandbox idle for IDLE; returns the trees released. Each
+    release happens inside the transaction that holds the tree's sandbox
+    lock, so no claim can see it half done."""
+    at = now()
+    async with pool.connection() as conn:
+        idle = [r["tree_id"] for r in await db.fetch_all(conn, "idle_sandboxes",
+                                                          {"before": at - IDLE})]
+    released = []
+    for tree_id in idle:
+        async with db.transaction(pool) as conn:
+            row = await db.fetch_one(conn, "begin_sandbox_release",
+                                     {"tree_id": tree_id, "now": at, "idle": IDLE})
+            if row["generation"] is None:
+                continue
+            pids = [r["pid"] for r in await db.fetch_all(
+                conn, "sandbox_processes", {"tree_id": tree_id, "generation": row["generation"]})]
+            releaser(locate(data_dir, tree_id, row["generation"]), pids)
+        released.append(tree_id)
+    return released
