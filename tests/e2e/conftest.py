@@ -71,10 +71,17 @@ def _procs(db_url: str) -> Iterator[list[Proc]]:
 
 
 @pytest.fixture
-def proc_env(db_url: str) -> dict[str, str]:
+def data_dir(tmp_path: Path) -> Path:
+    """Workdirs and sandboxes of this test's processes."""
+    return tmp_path / "data"
+
+
+@pytest.fixture
+def proc_env(db_url: str, data_dir: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("YUXI_")}
     env.update(
         YUXI_DATABASE_URL=db_url,
+        YUXI_DATA_DIR=str(data_dir),
         YUXI_LEASE_SECONDS="2",
         YUXI_SSE_KEEPALIVE_SECONDS="1",
         PYTHONUNBUFFERED="1",

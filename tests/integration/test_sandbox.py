@@ -126,3 +126,41 @@ async def test_without_the_lock_the_claim_keeps_the_half_deleted_sandbox(
     postgresql.execute(src.replace(lock, ""))
     postgresql.commit()
     assert await _claim_racing_release(pool, alice[1], tmp_path, db_url, postgresql) == 1
+
+
+async def _tool_context(pool, scope, tmp_path):
+    from tests.integration.test_permissions import _grant_all  # noqa: F401
+    from yuxi.services import resources
+    from yuxi.runtime.tools import ToolContext
+    await resources.create(pool, scope.app_id, "tool_group:sandbox")
+    await resources.grant(pool, scope, "tool_group:sandbox")
+    run, token, box = await _run_with_sandbox(pool, scope, tmp_path)
+    return ToolContext(pool=pool, run_id=run["id"], token=token, call_id="c", run=run,
+                       sandbox=box), box
+
+
+async def test_run_command_output_timeout_and_files(pool, alice, tmp_path):
+    from yuxi.runtime import sandbox_tools
+    ctx, box = await _tool_context(pool, alice[1], tmp_path)
+    out = await sandbox_tools.run_command(ctx, {"command": "for i in 1 2 3; do echo line$i; "
+                                                           "sleep 0.05; done; pwd; echo $TMPDIR"})
+    assert out["output"].split() == ["line1", "line2", "line3", str(box.workdir), str(box.tmp)]
+    assert out["exit_code"] == 0 and not out["timed_out"]
+    big = await sandbox_tools.run_command(ctx, {"command": "head -c 200000 /dev/zero | tr '\\\\0' x"})
+    assert big["truncated"] and len(big["output"]) == sandbox_tools.MAX_OUTPUT
+    slow = await sandbox_tools.run_command(ctx, {"command": "sleep 30", "timeout_s": 0.6})
+    assert slow["timed_out"] and slow["exit_code"] != 0
+    await sandbox_tools.write_file(ctx, {"path": "a/b.txt", "content": "hi"})
+    assert (await sandbox_tools.read_file(ctx, {"path": "a/b.txt"}))["content"] == "hi"
+    assert (await sandbox_tools.list_files(ctx, {"path": "a"}))["files"] == ["a/b.txt"]
+
+
+async def test_side_effecting_sandbox_tools_recheck_the_grant(pool, alice, tmp_path):
+    from yuxi.errors import PermissionDenied
+    from yuxi.runtime import sandbox_tools
+    from yuxi.services import resources
+    ctx, box = await _tool_context(pool, alice[1], tmp_path)
+    await resources.revoke(pool, alice[1], "tool_group:sandbox")
+    with pytest.raises(PermissionDenied):
+        await sandbox_tools.write_file(ctx, {"path": "x.txt", "content": "no"})
+    assert not (box.workdir / "x.txt").exists()

@@ -82,6 +82,16 @@ async def list_files(ctx: ToolContext, args: dict[str, Any]) -> Any:
                             for p in path.iterdir())}
 
 
+async def _read_bounded(stream: asyncio.StreamReader) -> bytes:
+    """Everything the command prints, up to MAX_OUTPUT + 1 bytes (the rest is
+    drained so the command never blocks on a full pipe)."""
+    kept = bytearray()
+    while chunk := await stream.read(65536):
+        if len(kept) <= MAX_OUTPUT:
+            kept += chunk
+    return bytes(kept[:MAX_OUTPUT + 1])
+
+
 async def run_command(ctx: ToolContext, args: dict[str, Any]) -> Any:
     command = args.get("command")
     if not isinstance(command, str) or not command.strip():
@@ -95,20 +105,23 @@ async def run_command(ctx: ToolContext, args: dict[str, Any]) -> Any:
     box = ctx.sandbox
     env = {**os.environ, "TMPDIR": str(box.tmp), "HOME": str(box.workdir)}
     if args.get("background"):
-        proc = await asyncio.create_subprocess_shell(
-            command, cwd=box.workdir, env=env, start_new_session=True,
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.DEVNULL)
+        # Detached on purpose: it outlives this call (and this worker) in its
+        # own session, re-parented to init; asyncio would kill a child it
+        # still tracks. The sandbox release kills its process group.
+        launcher = await asyncio.create_subprocess_exec(
+            "sh", "-c", 'setsid sh -c "$1" </dev/null >/dev/null 2>&1 & echo $!', "sh", command,
+            cwd=box.workdir, env=env, stdout=asyncio.subprocess.PIPE)
+        pid = int((await launcher.communicate())[0].decode().strip())
         async with ctx.pool.connection() as conn:
             await db.execute(conn, "record_sandbox_process", {
-                "generation": box.generation, "pid": proc.pid, "run_id": ctx.run_id,
+                "generation": box.generation, "pid": pid, "run_id": ctx.run_id,
                 "token": ctx.token, "command": command})
-        return {"pid": proc.pid, "background": True}
+        return {"pid": pid, "background": True}
     proc = await asyncio.create_subprocess_shell(
         command, cwd=box.workdir, env=env, start_new_session=True,
         stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT)
-    reader = asyncio.create_task(proc.stdout.read(MAX_OUTPUT + 1))
+    reader = asyncio.create_task(_read_bounded(proc.stdout))
     ended = timed_out = cancelled = False
     deadline = asyncio.get_running_loop().time() + min(float(timeout), MAX_TIMEOUT)
     try:
