@@ -7,6 +7,23 @@ CREATE FUNCTION yuxi.session_lock_key_v1(p_session uuid) RETURNS bigint
     SELECT yuxi.lock_key_v1('session:' || p_session::text);
 $$;
 
+-- The session `p_session` if it belongs to the user and app; YX002 otherwise
+-- (another scope's session does not exist for the caller).
+CREATE FUNCTION yuxi.scoped_session_v1(p_session uuid, p_user uuid, p_app uuid)
+RETURNS yuxi.sessions
+    LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_session yuxi.sessions;
+BEGIN
+    SELECT * INTO v_session FROM yuxi.sessions
+     WHERE id = p_session AND user_id = p_user AND app_id = p_app;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'session % not found', p_session USING ERRCODE = 'YX002';
+    END IF;
+    RETURN v_session;
+END;
+$$;
+
 -- Create a root session (and its tree) with a fully resolved config snapshot.
 CREATE FUNCTION yuxi.create_root_session_v1(
     p_user uuid, p_app uuid, p_agent uuid, p_title text, p_config jsonb
@@ -90,11 +107,7 @@ DECLARE
     v_input uuid;
     v_turn uuid;
 BEGIN
-    SELECT * INTO v_session FROM yuxi.sessions
-        WHERE id = p_session AND user_id = p_user AND app_id = p_app;
-    IF NOT FOUND THEN
-        RAISE EXCEPTION 'session % not found', p_session USING ERRCODE = 'YX002';
-    END IF;
+    v_session := yuxi.scoped_session_v1(p_session, p_user, p_app);
     PERFORM pg_advisory_xact_lock(yuxi.session_lock_key_v1(p_session));
     PERFORM yuxi.lock_tree_v1(v_session.tree_id);
     IF p_client_request_id IS NOT NULL THEN

@@ -149,11 +149,7 @@ DECLARE
     v_turn yuxi.turns;
     v_count integer := 0;
 BEGIN
-    SELECT * INTO v_session FROM yuxi.sessions
-     WHERE id = p_session AND user_id = p_user AND app_id = p_app;
-    IF NOT FOUND THEN
-        RAISE EXCEPTION 'session % not found', p_session USING ERRCODE = 'YX002';
-    END IF;
+    v_session := yuxi.scoped_session_v1(p_session, p_user, p_app);
     PERFORM yuxi.lock_tree_v1(v_session.tree_id);
     UPDATE yuxi.sessions SET queue_paused = true WHERE tree_id = v_session.tree_id;
     FOR v_turn IN SELECT * FROM yuxi.turns
@@ -176,11 +172,7 @@ CREATE FUNCTION yuxi.continue_queue_v1(p_user uuid, p_app uuid, p_session uuid) 
 DECLARE
     v_session yuxi.sessions;
 BEGIN
-    SELECT * INTO v_session FROM yuxi.sessions
-     WHERE id = p_session AND user_id = p_user AND app_id = p_app;
-    IF NOT FOUND THEN
-        RAISE EXCEPTION 'session % not found', p_session USING ERRCODE = 'YX002';
-    END IF;
+    v_session := yuxi.scoped_session_v1(p_session, p_user, p_app);
     PERFORM yuxi.lock_tree_v1(v_session.tree_id);
     UPDATE yuxi.sessions SET queue_paused = false WHERE id = p_session;
     PERFORM yuxi.emit_event_v1(v_session.tree_id, p_session, NULL, NULL, 'queue.continued', '{}');

@@ -132,10 +132,9 @@ async def test_waiting_turn_cleanup_keeps_finished_results_and_children(
     assert [c["status"] for c in children] == ["completed", "completed"]
 
 
-@pytest.mark.parametrize("crash_after", [1, 2])
-async def test_cleanup_converges_after_a_crash_at_each_commit(
-        pool, checkpoint_pool, alice, crash_after):
-    scope = alice[1]
+async def _suspended_with_a_finished_sibling(pool, checkpoint_pool, scope):
+    """A parent suspended on a wait whose sibling call (echo "kept") finished:
+    its result is only a pending write of the interrupted step."""
     root = await new_session(pool, scope, {"model": "replay", "tools": ["cooperation", "echo"],
         "replay": {"rules": [{"match": "^parent", "steps": [
             {"call": [{"tool": "create_session", "args": {"name": "c", "task": "t"}}]},
@@ -145,6 +144,14 @@ async def test_cleanup_converges_after_a_crash_at_each_commit(
     receipt = await sessions.receive_input(pool, scope, root.id, content="parent")
     parent_run = await scalar(pool, "SELECT id FROM yuxi.runs WHERE turn_id = %s", (receipt.turn_id,))
     assert await executor(pool, checkpoint_pool).execute(parent_run) == "suspended"
+    return root, receipt
+
+
+@pytest.mark.parametrize("crash_after", [1, 2])
+async def test_cleanup_converges_after_a_crash_at_each_commit(
+        pool, checkpoint_pool, alice, crash_after):
+    scope = alice[1]
+    root, receipt = await _suspended_with_a_finished_sibling(pool, checkpoint_pool, scope)
     await sessions.cancel_turn(pool, scope, receipt.turn_id)
     # The cleanup dies after `crash_after` commits, then the job runs again.
     assert await cleanup.clean_checkpoint(checkpoint_pool, root.id,
@@ -217,15 +224,7 @@ async def test_without_the_merge_step_a_finished_result_is_lost(pool, checkpoint
     # Negative case: pairing the calls first (as_node="tool") without merging
     # the pending writes drops the result of the call that had finished.
     scope = alice[1]
-    root = await new_session(pool, scope, {"model": "replay", "tools": ["cooperation", "echo"],
-        "replay": {"rules": [{"match": "^parent", "steps": [
-            {"call": [{"tool": "create_session", "args": {"name": "c", "task": "t"}}]},
-            {"call": [{"tool": "echo", "args": {"text": "kept"}},
-                      {"tool": "wait_sessions", "args": {"sessions": ["c"], "timeout_s": 600}}]}]}],
-            "default": [{"say": "child"}]}})
-    receipt = await sessions.receive_input(pool, scope, root.id, content="parent")
-    parent_run = await scalar(pool, "SELECT id FROM yuxi.runs WHERE turn_id = %s", (receipt.turn_id,))
-    assert await executor(pool, checkpoint_pool).execute(parent_run) == "suspended"
+    root, receipt = await _suspended_with_a_finished_sibling(pool, checkpoint_pool, scope)
     graph = cleanup.checkpoint_only_graph(checkpoint_pool)
     cfg = {"configurable": {"thread_id": str(root.id)}}
     committed = (await graph.aget_state(cfg)).values["messages"]
