@@ -355,3 +355,18 @@ WHERE r.id = %(run_id)s AND r.lease_token = %(token)s AND r.status = 'running';
 
 -- name: check_grant
 SELECT yuxi.check_grant_v1(%(user_id)s, %(app_id)s, %(kind)s, %(name)s) AS resource_id;
+
+-- name: boundary
+-- What a run meets before a model call: its turn's cancel intent, the steers
+-- of its turn and the unprocessed messages to its session, in one round trip.
+SELECT 'cancel' AS kind, NULL::uuid AS id, NULL::text AS content, NULL::text AS sender_path,
+       NULL::uuid AS sender_session_id, 0::bigint AS seq
+  FROM yuxi.turns WHERE id = %(turn_id)s AND cancel_requested_at IS NOT NULL
+UNION ALL
+SELECT 'steer', i.id, i.content, NULL, NULL, i.seq FROM yuxi.inputs i
+ WHERE i.turn_id = %(turn_id)s AND i.id <> %(input_id)s
+UNION ALL
+SELECT 'message', m.id, m.content, s.path, m.sender_session_id, m.seq
+  FROM yuxi.messages m JOIN yuxi.sessions s ON s.id = m.sender_session_id
+ WHERE m.receiver_session_id = %(session_id)s AND m.processed_at IS NULL
+ORDER BY 1, 6;

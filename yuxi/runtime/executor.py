@@ -84,14 +84,15 @@ class SteerInbox:
         self.pool, self.run, self.token = pool, run, token
 
     async def take(self, messages: list[Any]) -> list[HumanMessage]:
+        """Raises TurnCancelled when a cancel intent was committed."""
         present = {m.id for m in messages}
-        steers = [steer_message(s["id"], s["content"])
-                  for s in await runs.turn_steers(self.pool, self.run["turn_id"],
-                                                  self.run["input_id"])
-                  if f"input:{s['id']}" not in present]
-        notes = [cooperation_message(m)
-                 for m in await runs.unprocessed_messages(self.pool, self.run["session_id"])
-                 if f"message:{m['id']}" not in present]
+        rows = await runs.boundary(self.pool, self.run)
+        if any(r["kind"] == "cancel" for r in rows):
+            raise TurnCancelled(f"turn {self.run['turn_id']} was cancelled")
+        steers = [steer_message(r["id"], r["content"]) for r in rows
+                  if r["kind"] == "steer" and f"input:{r['id']}" not in present]
+        notes = [cooperation_message(r) for r in rows
+                 if r["kind"] == "message" and f"message:{r['id']}" not in present]
         if steers:
             await runs.mark_steers_delivered(
                 self.pool, self.run["id"], self.token,
@@ -188,25 +189,32 @@ async def drive(graph: Any, cfg: dict[str, Any], run: dict[str, Any],
     turn's output and the steers its conversation holds; raises Suspended
     when a wait tool interrupted the graph."""
     first = input_message(run)
-    state = await graph.aget_state(cfg)
-    messages = state.values.get("messages", []) if state.values else []
-    if not any(m.id == first.id for m in messages):
-        await graph.ainvoke({"messages": [first, *extra]}, cfg, durability="sync")
-    elif state.next and state.interrupts:
-        if resume and resume.get("answer"):
-            # The user's answers, by interrupt id (approvals, questions).
-            command = Command(resume=resume["answer"])
-        else:
-            command = Command(resume=resume or {"reason": "retry"})
-        await graph.ainvoke(command, cfg, durability="sync")
-    elif state.next:
-        await graph.ainvoke(None, cfg, durability="sync")
-    elif extra:
-        await graph.ainvoke({"messages": list(extra)}, cfg, durability="sync")
-    state = await graph.aget_state(cfg)
-    if state.interrupts:
-        raise Suspended(list(state.interrupts))
-    messages = state.values["messages"]
+    if run["attempt"] == 1 and not run.get("resume") and not extra:
+        # The first run of a turn: its input cannot be in the checkpoint yet
+        # (after a crash the turn goes on in a run with attempt > 1).
+        values = await graph.ainvoke({"messages": [first]}, cfg, durability="sync")
+    else:
+        state = await graph.aget_state(cfg)
+        messages = state.values.get("messages", []) if state.values else []
+        values = state.values
+        if not any(m.id == first.id for m in messages):
+            values = await graph.ainvoke({"messages": [first, *extra]}, cfg, durability="sync")
+        elif state.next and state.interrupts:
+            if resume and resume.get("answer"):
+                # The user's answers, by interrupt id (approvals, questions).
+                command = Command(resume=resume["answer"])
+            else:
+                command = Command(resume=resume or {"reason": "retry"})
+            values = await graph.ainvoke(command, cfg, durability="sync")
+        elif state.next:
+            values = await graph.ainvoke(None, cfg, durability="sync")
+        elif extra:
+            values = await graph.ainvoke({"messages": list(extra)}, cfg, durability="sync")
+        elif state.interrupts:
+            raise Suspended(list(state.interrupts))
+    if values.get("__interrupt__"):
+        raise Suspended(list(values["__interrupt__"]))
+    messages = values["messages"]
     return turn_output(messages, first.id), delivered_steers(messages, first.id)
 
 
@@ -277,8 +285,9 @@ class RunExecutor:
         # Visibility is resolved with the user's grants as they are now; an
         # explicitly selected resource that lost its grant fails the run
         # before any model call.
-        visible = await resources.resolve(self.pool, run["user_id"], run["app_id"],
-                                          run["config"].get("resources", []))
+        selection = run["config"].get("resources") or []
+        visible = (await resources.resolve(self.pool, run["user_id"], run["app_id"], selection)
+                   if selection else [])
         resources.require_all_granted(visible)
         box = None
         if any(t.group == "sandbox" for t in available_tools(selected_tools(run["config"]),

@@ -88,8 +88,7 @@ def build_graph(
     inbox = inbox or NoInbox()
 
     async def call_model(state: AgentState) -> dict[str, Any]:
-        if guard:  # a committed cancel intent stops the turn before the model call
-            await guard()
+        # The inbox is the model boundary: it also stops a cancelled turn.
         arrived = await inbox.take(state["messages"])
         answer = await bound.ainvoke([*preamble, *state["messages"], *arrived])
         await reporter.message(answer)

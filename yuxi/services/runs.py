@@ -88,6 +88,14 @@ async def turn_steers(
         return await db.fetch_all(conn, "turn_steers", {"turn_id": turn_id, "input_id": input_id})
 
 
+async def boundary(pool: AsyncConnectionPool, run: dict[str, Any]) -> list[dict[str, Any]]:
+    """Cancel intent, steers and messages a run meets before a model call."""
+    async with pool.connection() as conn:
+        return await db.fetch_all(conn, "boundary", {
+            "turn_id": run["turn_id"], "input_id": run["input_id"],
+            "session_id": run["session_id"]})
+
+
 async def unprocessed_messages(pool: AsyncConnectionPool,
                                session_id: uuid.UUID) -> list[dict[str, Any]]:
     async with pool.connection() as conn:
