@@ -155,46 +155,16 @@ async def main_async(runs: int, url: str) -> None:
     meter(AsyncPostgresSaver, "aget_tuple", "saver.aget_tuple")
     meter(ex.RunExecutor, "execute", "RunExecutor.execute")
 
-    fenced = ex.FencedSaver
-
-    class PipelinedFencedSaver(fenced):  # what-if: the same fence, one round trip
-        @contextlib.asynccontextmanager
-        async def _cursor(self, *, pipeline: bool = False):
-            if not pipeline:
-                async with AsyncPostgresSaver._cursor(self, pipeline=False) as cur:
-                    yield cur
-                return
-            async with (self.lock, self.conn.connection() as conn, conn.pipeline(),
-                        conn.transaction()):
-                async with conn.cursor(binary=True, row_factory=dict_row) as cur:
-                    await cur.execute(db.QUERIES["check_lease"],
-                                      {"run_id": self.run_id, "token": self.token})
-                    yield cur
-
-    class UnfencedSaver(AsyncPostgresSaver):  # what-if: no fence at all
-        def __init__(self, pool: Any, run_id: Any, token: Any) -> None:
-            super().__init__(pool)
-
-    variants = [("RunExecutor, FencedSaver as is", fenced),
-                ("what-if: FencedSaver pipelined (BEGIN+check+writes+COMMIT, 1 round trip)",
-                 PipelinedFencedSaver),
-                ("what-if: plain saver, no fence", UnfencedSaver)]
-    out = []
-    for title, saver_cls in variants:
-        ex.FencedSaver = saver_cls
-        STATS.clear()
-        ids = await prepare(runs)
-        if saver_cls is fenced:
-            out.append(table("API side: receive_input service (one transaction)", runs))
-        STATS.clear()
-        outcomes = collections.Counter()
-        for run_id in ids:
-            outcomes[await executor.execute(run_id)] += 1
-        if set(outcomes) != {"completed"}:
-            out.append(f"  (outcomes: {dict(outcomes)})")
-        out.append(table(title, runs))
-    ex.FencedSaver = fenced
-    assert saver_module.FencedSaver is fenced
+    STATS.clear()
+    ids = await prepare(runs)
+    out = [table("API side: receive_input service (one transaction)", runs)]
+    STATS.clear()
+    outcomes = collections.Counter()
+    for run_id in ids:
+        outcomes[await executor.execute(run_id)] += 1
+    if set(outcomes) != {"completed"}:
+        out.append(f"  (outcomes: {dict(outcomes)})")
+    out.append(table("RunExecutor (checkpoint writes fenced in PostgreSQL)", runs))
 
     config = {**CONFIG_DEFAULTS, **bench.AGENT_CONFIG}
     for i in range(runs):

@@ -6,13 +6,14 @@ from __future__ import annotations
 import datetime as dt
 import uuid
 
+import psycopg
 import pytest
 from langchain_core.messages import HumanMessage
 
 from tests.integration.helpers import drain, executor, new_session, rows, runs_with_status, scalar, say_agent
 from yuxi.errors import LeaseLost
 from yuxi.runtime import executor as exmod
-from yuxi.runtime.saver import FencedSaver
+from yuxi.runtime.saver import fenced_saver
 from yuxi.services import runs, sessions
 
 
@@ -95,15 +96,22 @@ async def test_checkpoint_writes_are_fenced_by_the_lease(pool, checkpoint_pool, 
         async def tool_started(self, c): ...
         async def tool_finished(self, c, r): ...
 
-    def graph(tok):
+    async def invoke(tok):
         model = build_chat_model("replay", say_agent(), approval_mode="auto", session={})
-        return build_graph(model, {}, Quiet(), preamble=[],
-                           checkpointer=FencedSaver(checkpoint_pool, run_id, tok))
+        async with fenced_saver(checkpoint_pool, run_id, tok) as saver:
+            graph = build_graph(model, {}, Quiet(), preamble=[], checkpointer=saver)
+            await graph.ainvoke({"messages": [HumanMessage("x", id="h1")]}, cfg)
 
-    with pytest.raises(LeaseLost):
-        await graph(uuid.uuid4()).ainvoke({"messages": [HumanMessage("x", id="h1")]}, cfg)
+    with pytest.raises(psycopg.Error) as err:
+        await invoke(uuid.uuid4())
+    assert err.value.sqlstate == "YX003"
     assert await scalar(pool, "SELECT count(*) FROM langgraph.checkpoints") == 0
-    await graph(token).ainvoke({"messages": [HumanMessage("x", id="h1")]}, cfg)
+    # A connection returned to the pool is unmarked: plain writes go through.
+    async with checkpoint_pool.connection() as conn:
+        mark = await (await conn.execute(
+            "SELECT current_setting('yuxi.run_id', true) AS r")).fetchone()
+        assert mark["r"] == ""
+    await invoke(token)
     assert await scalar(pool, "SELECT count(*) FROM langgraph.checkpoints") > 0
 
 
@@ -137,8 +145,9 @@ async def test_recovered_turn_continues_from_its_checkpoint(pool, checkpoint_poo
     # under a lease, then let the lease expire without completing.
     token = uuid.uuid4()
     run = await runs.start_run(pool, run_id, token, 30)
-    graph, cfg = ex._graph(run, token)
-    output, _ = await exmod.drive(graph, cfg, run)
+    async with fenced_saver(checkpoint_pool, run["id"], token) as saver:
+        graph, cfg = ex._graph(run, token, saver)
+        output, _ = await exmod.drive(graph, cfg, run)
     assert output["text"] == "done 1"
     await _expire(pool, run_id)
     await runs.recover_expired(pool, max_attempts=3)
@@ -164,3 +173,26 @@ async def test_lost_job_of_a_ready_run_is_redelivered(pool, alice):
     assert await runs.redeliver_ready(pool, dt.timedelta(0)) == [run_id]
     assert await scalar(pool, "SELECT args->>'run_id' FROM procrastinate.procrastinate_jobs "
                               "WHERE status = 'todo'") == str(run_id)
+
+
+async def test_without_the_checkpoint_fence_a_stale_worker_writes(pool, checkpoint_pool, alice):
+    # Negative case: with the fence triggers gone, a checkpointer marked with
+    # a lost lease writes its checkpoint anyway.
+    session, _, run_id, token = await _running_run(pool, alice[1])
+    async with pool.connection() as conn:
+        for table in ("checkpoints", "checkpoint_blobs", "checkpoint_writes"):
+            await conn.execute(f"DROP TRIGGER {table}_fence ON langgraph.{table}")
+    from yuxi.runtime.graph import build_graph
+    from yuxi.runtime.models import build_chat_model
+
+    class Quiet:
+        async def message(self, m): ...
+        async def tool_started(self, c): ...
+        async def tool_finished(self, c, r): ...
+
+    cfg = {"configurable": {"thread_id": str(session.id), "checkpoint_ns": ""}}
+    model = build_chat_model("replay", say_agent(), approval_mode="auto", session={})
+    async with fenced_saver(checkpoint_pool, run_id, uuid.uuid4()) as saver:
+        graph = build_graph(model, {}, Quiet(), preamble=[], checkpointer=saver)
+        await graph.ainvoke({"messages": [HumanMessage("x", id="h1")]}, cfg)
+    assert await scalar(pool, "SELECT count(*) FROM langgraph.checkpoints") > 0

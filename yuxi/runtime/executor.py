@@ -21,7 +21,7 @@ from psycopg_pool import AsyncConnectionPool
 from yuxi.errors import LeaseLost, YuxiError
 from yuxi.runtime.graph import build_graph
 from yuxi.runtime.models import build_chat_model
-from yuxi.runtime.saver import FencedSaver
+from yuxi.runtime.saver import fenced_saver
 from yuxi.runtime import cooperation, questions, sandbox_tools  # noqa: F401  (tool registration)
 from yuxi.runtime.tools import ToolContext, available_tools
 from yuxi.services import resources, runs, sandbox
@@ -296,14 +296,15 @@ class RunExecutor:
             box = await sandbox.claim(self.pool, self.settings.data_dir, run["id"], token,
                                       run["tree_id"])
         try:
-            return await self._drive_turn(run, token, visible, box)
+            async with fenced_saver(self.checkpoint_pool, run["id"], token) as saver:
+                return await self._drive_turn(run, token, visible, box, saver)
         finally:
             if box is not None:
                 await sandbox.touch(self.pool, run["tree_id"])
 
     async def _drive_turn(self, run: dict[str, Any], token: uuid.UUID,
-                          visible: list[resources.Resolved], box: Any) -> str:
-        graph, cfg = self._graph(run, token, visible, box)
+                          visible: list[resources.Resolved], box: Any, saver: Any) -> str:
+        graph, cfg = self._graph(run, token, saver, visible, box)
         extra: list[Any] = []
         resume = run.get("resume")
         while True:
@@ -328,7 +329,7 @@ class RunExecutor:
             extra = await SteerInbox(self.pool, run, token).take(
                 (await graph.aget_state(cfg)).values["messages"])
 
-    def _graph(self, run: dict[str, Any], token: uuid.UUID,
+    def _graph(self, run: dict[str, Any], token: uuid.UUID, saver: Any,
                visible: list[resources.Resolved] = (), box: Any = None,
                ) -> tuple[Any, dict[str, Any]]:
         config = run["config"]
@@ -345,7 +346,7 @@ class RunExecutor:
         tools = available_tools(selected_tools(config), list(visible))
         reporter = EventReporter(self.pool, run["id"], token, run["turn_id"])
         graph = build_graph(model, tools, reporter, preamble=preamble,
-                            checkpointer=FencedSaver(self.checkpoint_pool, run["id"], token),
+                            checkpointer=saver,
                             inbox=SteerInbox(self.pool, run, token),
                             tool_context=lambda call_id, cursors, waits_in_step: ToolContext(
                                 pool=self.pool, run_id=run["id"], token=token,

@@ -1,9 +1,12 @@
-"""A LangGraph checkpointer whose writes are fenced by the run's lease.
+"""The checkpointer of an executing run, fenced by the run's lease.
 
-Every checkpoint or pending-write commit first runs `yuxi.check_lease_v1` in
-the same transaction: it raises when the lease is lost and otherwise keeps the
-run row share-locked until the write commits, so a recovery that takes the
-turn over waits for it and is never interleaved with a zombie's write.
+The run borrows one connection of the checkpoint pool for its whole
+execution and marks it with its run id and lease token (session settings).
+Triggers on LangGraph's tables (sql/110_checkpoint_fence.sql) check the lease
+in the statement that writes, so a worker that lost its lease changes
+nothing, and a recovery waits for a write in flight instead of interleaving
+with it. The writes themselves stay in psycopg's pipeline mode: the fence
+costs no round trip.
 """
 
 from __future__ import annotations
@@ -13,30 +16,21 @@ import uuid
 from collections.abc import AsyncIterator
 
 from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
-from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
-from yuxi import db
+MARK = "SELECT set_config('yuxi.run_id', %s, false), set_config('yuxi.lease_token', %s, false)"
 
 
-class FencedSaver(AsyncPostgresSaver):
-    def __init__(self, pool: AsyncConnectionPool, run_id: uuid.UUID, token: uuid.UUID) -> None:
-        # One saver per run: the base class serializes its I/O with one lock,
-        # which would serialize every run of a worker if shared.
-        super().__init__(pool)
-        self.run_id = run_id
-        self.token = token
+async def unmark(conn) -> None:
+    """Pool reset hook: a connection goes back to the pool unmarked, however
+    the run that borrowed it ended (cancelled mid-write included)."""
+    await conn.execute(MARK, ("", ""))
 
-    @contextlib.asynccontextmanager
-    async def _cursor(self, *, pipeline: bool = False) -> AsyncIterator:
-        if not pipeline:  # reads are not fenced
-            async with super()._cursor(pipeline=False) as cur:
-                yield cur
-            return
-        async with self.lock, self.conn.connection() as conn, conn.transaction():
-            async with conn.cursor(binary=True, row_factory=dict_row) as cur:
-                with db.domain_errors():
-                    await cur.execute(
-                        db.QUERIES["check_lease"], {"run_id": self.run_id, "token": self.token}
-                    )
-                yield cur
+
+@contextlib.asynccontextmanager
+async def fenced_saver(pool: AsyncConnectionPool, run_id: uuid.UUID,
+                       token: uuid.UUID) -> AsyncIterator[AsyncPostgresSaver]:
+    """A checkpointer on a connection marked with the run's lease."""
+    async with pool.connection() as conn:  # the pool's reset hook unmarks it
+        await conn.execute(MARK, (str(run_id), str(token)))
+        yield AsyncPostgresSaver(conn)

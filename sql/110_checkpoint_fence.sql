@@ -1,0 +1,27 @@
+-- Checkpoint writes of an executing run are fenced by its lease inside
+-- PostgreSQL: the worker marks the connection it lends the run's checkpointer
+-- (`yuxi.run_id`, `yuxi.lease_token`, session settings), and every statement
+-- writing LangGraph's tables on it first checks the lease (share-locking the
+-- run row until the write commits). A worker that lost its lease writes
+-- nothing; other connections (the API, the cancel cleanup) are not marked.
+
+-- Statement trigger of the checkpoint tables.
+CREATE FUNCTION yuxi.fence_checkpoint_write_v1() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_run text := current_setting('yuxi.run_id', true);
+BEGIN
+    IF coalesce(v_run, '') <> '' THEN
+        PERFORM yuxi.check_lease_v1(v_run::uuid,
+                                    current_setting('yuxi.lease_token', true)::uuid);
+    END IF;
+    RETURN NULL;
+END;
+$$;
+
+CREATE TRIGGER checkpoints_fence BEFORE INSERT OR UPDATE OR DELETE ON langgraph.checkpoints
+    FOR EACH STATEMENT EXECUTE FUNCTION yuxi.fence_checkpoint_write_v1();
+CREATE TRIGGER checkpoint_blobs_fence BEFORE INSERT OR UPDATE OR DELETE ON langgraph.checkpoint_blobs
+    FOR EACH STATEMENT EXECUTE FUNCTION yuxi.fence_checkpoint_write_v1();
+CREATE TRIGGER checkpoint_writes_fence BEFORE INSERT OR UPDATE OR DELETE ON langgraph.checkpoint_writes
+    FOR EACH STATEMENT EXECUTE FUNCTION yuxi.fence_checkpoint_write_v1();
