@@ -63,16 +63,12 @@ def app_pool(url: str, *, min_size: int = 1, max_size: int = 10) -> AsyncConnect
 
 
 def checkpoint_pool(url: str, *, min_size: int = 1, max_size: int = 10) -> AsyncConnectionPool:
-    """Pool for the LangGraph checkpointer, in its own schema. A run marks the
-    connection it borrows with its lease (yuxi.runtime.saver); the reset hook
-    unmarks every connection that comes back."""
-    from yuxi.runtime.saver import unmark
-
+    """Pool for the LangGraph checkpointer, in its own schema (a run borrows
+    one connection and marks it with its lease: yuxi.runtime.saver)."""
     return AsyncConnectionPool(
         with_search_path(url, CHECKPOINT_SCHEMA),
         min_size=min_size,
         max_size=max_size,
-        reset=unmark,
         kwargs={"autocommit": True, "prepare_threshold": 0, "row_factory": dict_row},
         open=False,
         name="yuxi-checkpoints",

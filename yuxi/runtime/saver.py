@@ -21,16 +21,18 @@ from psycopg_pool import AsyncConnectionPool
 MARK = "SELECT set_config('yuxi.run_id', %s, false), set_config('yuxi.lease_token', %s, false)"
 
 
-async def unmark(conn) -> None:
-    """Pool reset hook: a connection goes back to the pool unmarked, however
-    the run that borrowed it ended (cancelled mid-write included)."""
-    await conn.execute(MARK, ("", ""))
-
-
 @contextlib.asynccontextmanager
 async def fenced_saver(pool: AsyncConnectionPool, run_id: uuid.UUID,
                        token: uuid.UUID) -> AsyncIterator[AsyncPostgresSaver]:
     """A checkpointer on a connection marked with the run's lease."""
-    async with pool.connection() as conn:  # the pool's reset hook unmarks it
+    async with pool.connection() as conn:
         await conn.execute(MARK, (str(run_id), str(token)))
-        yield AsyncPostgresSaver(conn)
+        try:
+            yield AsyncPostgresSaver(conn)
+        finally:
+            try:
+                await conn.execute(MARK, ("", ""))
+            except BaseException:
+                # Cancelled or broken: never hand a marked connection back.
+                await conn.close()
+                raise
