@@ -73,9 +73,6 @@ WHERE s.user_id = %(user_id)s AND s.app_id = %(app_id)s AND s.parent_id IS NULL
 ORDER BY s.created_at DESC, s.id DESC
 LIMIT %(limit)s;
 
--- name: session_identity
-SELECT id, name, path, parent_id, tree_id FROM yuxi.sessions WHERE id = %(id)s;
-
 -- Inputs and turns ---------------------------------------------------------
 
 -- name: receive_input
@@ -155,11 +152,6 @@ SELECT yuxi.emit_run_event_v1(%(run_id)s, %(token)s, %(type)s, %(data)s, %(dedup
 
 -- name: complete_run
 SELECT yuxi.complete_run_v1(%(run_id)s, %(token)s, %(output)s, %(delivered)s) AS outcome;
-
--- name: turn_steers
-SELECT id, content FROM yuxi.inputs
-WHERE turn_id = %(turn_id)s AND id <> %(input_id)s
-ORDER BY seq;
 
 -- name: mark_steers_delivered
 SELECT yuxi.mark_steers_delivered_v1(%(run_id)s, %(token)s, %(input_ids)s) AS marked;
@@ -306,12 +298,6 @@ LIMIT %(limit)s;
 
 -- name: tree_slots
 SELECT slot_capacity - held AS free, held, waiting FROM yuxi.tree_slots_v WHERE tree_id = %(tree_id)s;
-
--- name: unprocessed_messages
-SELECT m.id, m.content, s.path AS sender_path, m.sender_session_id
-FROM yuxi.messages m JOIN yuxi.sessions s ON s.id = m.sender_session_id
-WHERE m.receiver_session_id = %(session_id)s AND m.processed_at IS NULL
-ORDER BY m.seq;
 
 -- name: mark_messages_processed
 SELECT yuxi.mark_messages_processed_v1(%(run_id)s, %(token)s, %(message_ids)s) AS marked;

@@ -80,26 +80,12 @@ async def redeliver_cleanups(pool: AsyncConnectionPool, older_than: dt.timedelta
         return (await db.fetch_one(conn, "redeliver_cleanups", {"older_than": older_than}))["n"]
 
 
-async def turn_steers(
-    pool: AsyncConnectionPool, turn_id: uuid.UUID, input_id: uuid.UUID
-) -> list[dict[str, Any]]:
-    """The steers a turn took in, in the order they were received."""
-    async with pool.connection() as conn:
-        return await db.fetch_all(conn, "turn_steers", {"turn_id": turn_id, "input_id": input_id})
-
-
 async def boundary(pool: AsyncConnectionPool, run: dict[str, Any]) -> list[dict[str, Any]]:
     """Cancel intent, steers and messages a run meets before a model call."""
     async with pool.connection() as conn:
         return await db.fetch_all(conn, "boundary", {
             "turn_id": run["turn_id"], "input_id": run["input_id"],
             "session_id": run["session_id"]})
-
-
-async def unprocessed_messages(pool: AsyncConnectionPool,
-                               session_id: uuid.UUID) -> list[dict[str, Any]]:
-    async with pool.connection() as conn:
-        return await db.fetch_all(conn, "unprocessed_messages", {"session_id": session_id})
 
 
 async def mark_messages_processed(pool: AsyncConnectionPool, run_id: uuid.UUID,
