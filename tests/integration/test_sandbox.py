@@ -164,3 +164,21 @@ async def test_side_effecting_sandbox_tools_recheck_the_grant(pool, alice, tmp_p
     with pytest.raises(PermissionDenied):
         await sandbox_tools.write_file(ctx, {"path": "x.txt", "content": "no"})
     assert not (box.workdir / "x.txt").exists()
+
+
+async def test_cancel_stops_only_the_turns_own_command(pool, alice, tmp_path):
+    import asyncio
+    import time
+    from yuxi.runtime import sandbox_tools
+    ctx, box = await _tool_context(pool, alice[1], tmp_path)
+    (box.tmp / "shared").write_text("others use this")
+    started = time.monotonic()
+    command = asyncio.create_task(sandbox_tools.run_command(ctx, {"command": "sleep 30"}))
+    await asyncio.sleep(0.3)
+    await sessions.cancel_turn(pool, alice[1], ctx.run["turn_id"])
+    out = await command
+    assert out["cancelled"] and not out["timed_out"]
+    assert time.monotonic() - started < 5
+    # The sandbox itself stays for the other members.
+    assert (box.tmp / "shared").read_text() == "others use this"
+    assert await scalar(pool, "SELECT status FROM yuxi.sandboxes") == "active"
