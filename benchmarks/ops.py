@@ -13,9 +13,9 @@ calls, checkpoint reads and writes, graph build, drive) with meters:
 
 Nothing else runs meanwhile, so the meters attribute cleanly; nested
 operations are included in their callers (execute > drive > ainvoke > aput).
-Then the same for three what-if variants of the checkpoint saver and for the
-bare graph (what `benchmarks.run` calls "direct"), so the costs of the fence
-and of the executor are differences of two rows.
+Then the same with the triggers of LangGraph's tables (the lease fence)
+disabled, and the bare graph (what `benchmarks.run` calls "direct"), so the
+costs of the fence and of the executor are differences of two rows.
 
 It DROPS and recreates its database: default `yuxi_bench_ops` on the server
 of $YUXI_BENCH_DATABASE_URL (or 127.0.0.1:5432).
@@ -99,11 +99,9 @@ async def main_async(runs: int, url: str) -> None:
     from langchain_core.messages import HumanMessage, SystemMessage
     from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
     from langgraph.pregel import Pregel
-    from psycopg.rows import dict_row
 
     from yuxi import db
     from yuxi.runtime import executor as ex
-    from yuxi.runtime import saver as saver_module
     from yuxi.services import runs as run_services
     from yuxi.services import sessions as session_services
     from yuxi.services.sessions import CONFIG_DEFAULTS
@@ -129,8 +127,8 @@ async def main_async(runs: int, url: str) -> None:
             receipt = await session_services.receive_input(
                 pool, scope, session.id, content=f"turn {i}", mode="queue")
             async with pool.connection() as conn:
-                cur = await conn.execute("SELECT id FROM yuxi.runs WHERE turn_id = %s",
-                                         (receipt.turn_id,))
+                cur = await conn.execute("SELECT id FROM yuxi.runs WHERE turn_id = %s "
+                                     "ORDER BY created_at DESC LIMIT 1", (receipt.turn_id,))
                 ids.append((await cur.fetchone())["id"])
         return ids
 
@@ -138,9 +136,10 @@ async def main_async(runs: int, url: str) -> None:
     for run_id in await prepare(20):  # warm-up: caches, plans, imports
         await executor.execute(run_id)
 
-    for name in ("start_run", "complete", "emit", "turn_steers", "mark_steers_delivered",
-                 "heartbeat"):
-        meter(run_services, name, f"runs.{name}")
+    # Every service call of the worker side, whatever they are today.
+    for name, fn in list(vars(run_services).items()):
+        if not name.startswith("_") and asyncio.iscoroutinefunction(fn):
+            meter(run_services, name, f"runs.{name}")
     with contextlib.suppress(ImportError):
         from yuxi.services import resources
         meter(resources, "resolve", "resources.resolve")
@@ -155,16 +154,30 @@ async def main_async(runs: int, url: str) -> None:
     meter(AsyncPostgresSaver, "aget_tuple", "saver.aget_tuple")
     meter(ex.RunExecutor, "execute", "RunExecutor.execute")
 
-    STATS.clear()
-    ids = await prepare(runs)
-    out = [table("API side: receive_input service (one transaction)", runs)]
-    STATS.clear()
-    outcomes = collections.Counter()
-    for run_id in ids:
-        outcomes[await executor.execute(run_id)] += 1
-    if set(outcomes) != {"completed"}:
-        out.append(f"  (outcomes: {dict(outcomes)})")
-    out.append(table("RunExecutor (checkpoint writes fenced in PostgreSQL)", runs))
+    async def fence_triggers(enable: bool) -> None:
+        """What-if: the user triggers of LangGraph's tables (the lease fence of
+        checkpoint writes) on or off, in this scratch database only."""
+        async with pool.connection() as conn:
+            for t in ("checkpoints", "checkpoint_blobs", "checkpoint_writes"):
+                await conn.execute(f"ALTER TABLE {db.CHECKPOINT_SCHEMA}.{t} "
+                                   f"{'ENABLE' if enable else 'DISABLE'} TRIGGER USER")
+
+    out = []
+    for title, fenced in (("RunExecutor as is", True),
+                          ("what-if: checkpoint tables without their (fence) triggers", False)):
+        await fence_triggers(fenced)
+        STATS.clear()
+        ids = await prepare(runs)
+        if fenced:
+            out.append(table("API side: receive_input service (one transaction)", runs))
+        STATS.clear()
+        outcomes: collections.Counter[str] = collections.Counter()
+        for run_id in ids:
+            outcomes[await executor.execute(run_id)] += 1
+        if set(outcomes) != {"completed"}:
+            out.append(f"  (outcomes: {dict(outcomes)})")
+        out.append(table(title, runs))
+    await fence_triggers(True)
 
     config = {**CONFIG_DEFAULTS, **bench.AGENT_CONFIG}
     for i in range(runs):
@@ -194,7 +207,11 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=200)
     p.add_argument("--database-url", default=make_conninfo(server, dbname="yuxi_bench_ops"))
     a = p.parse_args()
-    asyncio.run(main_async(a.runs, a.database_url))
+    async def locked() -> None:
+        async with bench.exclusive(a.database_url):
+            await main_async(a.runs, a.database_url)
+
+    asyncio.run(locked())
     sys.exit(0)
 
 

@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
+import hashlib
 import math
 import os
 import signal
@@ -140,6 +141,26 @@ async def fresh_database(url: str) -> None:
         await conn.execute(sql.SQL("ALTER DATABASE {} SET track_functions = 'pl'")
                            .format(sql.Identifier(name)))
     await schema.apply_schema(url)
+
+
+@contextlib.asynccontextmanager
+async def exclusive(url: str) -> Any:
+    """One benchmark per database at a time: a second one (which would drop
+    the database under the first) waits for the first to finish. A session
+    advisory lock on the server's maintenance database, held for the run."""
+    from yuxi import db
+
+    name = db.database_name(url)
+    key = int.from_bytes(hashlib.sha256(f"yuxi-bench:{name}".encode()).digest()[:8], "big",
+                         signed=True)
+    async with await psycopg.AsyncConnection.connect(db.with_database(url, "postgres"),
+                                                     autocommit=True) as conn:
+        cur = await conn.execute("SELECT pg_try_advisory_lock(%s)", (key,))
+        if not (await cur.fetchone())[0]:
+            print(f"bench: another benchmark is using database {name!r}; waiting for it",
+                  file=sys.stderr)
+            await conn.execute("SELECT pg_advisory_lock(%s)", (key,))
+        yield
 
 
 async def create_key_and_agent(url: str) -> tuple[str, Any, uuid.UUID]:
@@ -285,13 +306,22 @@ class CompletionWatcher:
     """Records, per turn id, the client time at which the NOTIFY of its
     terminal event arrived. The NOTIFY is sent at the commit of the turn's
     result, so its arrival is the moment the result is committed (plus the
-    delivery delay), on the same clock as the receipt."""
+    delivery delay), on the same clock as the receipt.
+
+    Payloads are `<tree_id> <seq>` (one per event). A payload of only the
+    tree id (one per transaction) works too: the tree's new events are read
+    after a cursor, and a terminal one gets the arrival time of the last
+    notification of its tree before the read (then reads run every 20 ms,
+    which bounds the error)."""
 
     def __init__(self, url: str) -> None:
         self.url = url
         self.done: dict[str, tuple[float, str]] = {}
         self.queries = 0  # transactions this watcher ran (not the system's)
-        self._pending: list[tuple[str, int, float]] = []
+        self._by_seq: list[tuple[str, int, float]] = []
+        self._by_tree: dict[str, float] = {}
+        self._cursors: dict[str, int] = {}
+        self._interval = 0.2
         self._tasks: list[asyncio.Task] = []
         self._changed = asyncio.Event()
 
@@ -312,32 +342,63 @@ class CompletionWatcher:
     async def _listen(self) -> None:
         async for note in self._listen_conn.notifies():
             t = time.perf_counter()
-            tree, _, seq = note.payload.partition(" ")
-            self._pending.append((tree, int(seq), t))
+            tree, _, seq = note.payload.strip().partition(" ")
+            if seq.isdigit():
+                self._by_seq.append((tree, int(seq), t))
+            else:
+                self._by_tree[tree] = t
+                self._interval = 0.02
 
     async def _resolve(self) -> None:
         while True:
-            # The completion time is the NOTIFY's arrival, so resolving late
-            # costs no precision; resolving rarely costs the machine less.
-            await asyncio.sleep(0.2)
-            if not self._pending:
-                continue
-            batch, self._pending = self._pending, []
-            times = {(tree, seq): t for tree, seq, t in batch}
-            cur = await self._query_conn.execute(
-                "SELECT e.tree_id::text, e.seq, e.turn_id::text, e.type FROM yuxi.events e "
-                "JOIN unnest(%s::uuid[], %s::bigint[]) AS k(tree_id, seq) "
-                "  ON e.tree_id = k.tree_id AND e.seq = k.seq "
-                "WHERE e.type = ANY(%s)",
-                ([b[0] for b in batch], [b[1] for b in batch], list(TERMINAL_TURN_EVENTS)))
-            self.queries += 1
-            for tree, seq, turn_id, type_ in await cur.fetchall():
-                self.done.setdefault(turn_id, (times[(tree, seq)], type_))
-            self._changed.set()
+            # With seqs, the completion time is the NOTIFY's arrival, so
+            # resolving late costs no precision and resolving rarely costs
+            # the machine less.
+            await asyncio.sleep(self._interval)
+            if self._by_seq:
+                await self._resolve_seqs()
+            if self._by_tree:
+                await self._resolve_trees()
 
-    async def wait_for(self, turn_ids: set[str], timeout: float) -> None:
+    async def _resolve_seqs(self) -> None:
+        batch, self._by_seq = self._by_seq, []
+        times = {(tree, seq): t for tree, seq, t in batch}
+        cur = await self._query_conn.execute(
+            "SELECT e.tree_id::text, e.seq, e.turn_id::text, e.type FROM yuxi.events e "
+            "JOIN unnest(%s::uuid[], %s::bigint[]) AS k(tree_id, seq) "
+            "  ON e.tree_id = k.tree_id AND e.seq = k.seq "
+            "WHERE e.type = ANY(%s)",
+            ([b[0] for b in batch], [b[1] for b in batch], list(TERMINAL_TURN_EVENTS)))
+        self.queries += 1
+        for tree, seq, turn_id, type_ in await cur.fetchall():
+            self.done.setdefault(turn_id, (times[(tree, seq)], type_))
+        self._changed.set()
+
+    async def _resolve_trees(self) -> None:
+        batch, self._by_tree = self._by_tree, {}
+        trees = list(batch)
+        cur = await self._query_conn.execute(
+            "SELECT e.tree_id::text, e.seq, e.turn_id::text, e.type FROM yuxi.events e "
+            "JOIN unnest(%s::uuid[], %s::bigint[]) AS k(tree_id, after) "
+            "  ON e.tree_id = k.tree_id AND e.seq > k.after",
+            (trees, [self._cursors.get(t, 0) for t in trees]))
+        self.queries += 1
+        for tree, seq, turn_id, type_ in await cur.fetchall():
+            self._cursors[tree] = max(seq, self._cursors.get(tree, 0))
+            if type_ in TERMINAL_TURN_EVENTS:
+                self.done.setdefault(turn_id, (batch[tree], type_))
+        self._changed.set()
+
+    async def wait_for(self, turn_ids: set[str], timeout: float,
+                       procs: list[Proc] = ()) -> None:
+        """Until every turn finished; fails at the timeout or as soon as one
+        of `procs` exited."""
         deadline = time.monotonic() + timeout
         while not turn_ids.issubset(self.done.keys()):
+            for proc in procs:
+                if not proc.alive():
+                    raise RuntimeError(f"{proc.name} exited while turns were in flight:\n"
+                                       f"{proc.tail()}")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = len(turn_ids - self.done.keys())
@@ -426,7 +487,7 @@ async def run_system(opts: Options, key: str, agent_id: uuid.UUID,
                 receipts: dict[int, tuple[str, float, float]] = {}
                 jobs = [(-1 - i, sessions[i % len(sessions)]) for i in range(opts.warmup)]
                 await _submit(clients, jobs, receipts)
-                await watcher.wait_for({r[0] for r in receipts.values()}, opts.timeout)
+                await watcher.wait_for({r[0] for r in receipts.values()}, opts.timeout, procs)
 
             # Let the counters of every backend reach pg_stat_database.
             background = await settle()
@@ -442,7 +503,7 @@ async def run_system(opts: Options, key: str, agent_id: uuid.UUID,
             await _submit(clients, jobs, receipts)
             submit_elapsed = time.perf_counter() - start
             turn_ids = {r[0] for r in receipts.values()}
-            await watcher.wait_for(turn_ids, opts.timeout)
+            await watcher.wait_for(turn_ids, opts.timeout, procs)
             _stop_profiler(profiler, opts, "client")
             backends = await backend_pids(opts.url)
             cpu = CpuSnapshot.take(pids, backends).minus(cpu_before)
@@ -826,6 +887,11 @@ async def main_async(opts: Options) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="yuxi-bench-"))
     if opts.profile_dir:
         opts.profile_dir.mkdir(parents=True, exist_ok=True)
+    async with exclusive(opts.url):
+        return await _main_locked(opts, log_dir)
+
+
+async def _main_locked(opts: Options, log_dir: Path) -> int:
     print(f"bench: fresh database {opts.url} ...", file=sys.stderr)
     await fresh_database(opts.url)
     key, scope, agent_id = await create_key_and_agent(opts.url)
