@@ -14,6 +14,8 @@ import logging
 import uuid
 from typing import Any
 
+import psycopg
+
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langgraph.types import Command
 from psycopg_pool import AsyncConnectionPool
@@ -226,7 +228,8 @@ class RunExecutor:
         self.checkpoint_pool = checkpoint_pool
 
     async def execute(self, run_id: uuid.UUID) -> str:
-        """Execute a run. Returns what happened: skipped, completed, failed or
+        """Execute a run. Returns what happened: skipped (not ready: a stale
+        or duplicate job), completed, suspended, cancelled, failed, or
         lease_lost (then the worker changed nothing)."""
         token = uuid.uuid4()
         lease = self.settings.lease_seconds
@@ -250,6 +253,8 @@ class RunExecutor:
                 await runs.cancel_run(self.pool, run_id, token)
                 return "cancelled"
             except Exception as exc:
+                if isinstance(exc, psycopg.Error) and exc.sqlstate == "YX003":
+                    return "lease_lost"  # a checkpoint write met the fence
                 log.info("run %s failed: %s", run_id, exc)
                 error = (f"{exc.code}: {exc.message}" if isinstance(exc, YuxiError)
                          else f"{type(exc).__name__}: {exc}")
