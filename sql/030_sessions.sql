@@ -114,6 +114,12 @@ BEGIN
         SELECT id INTO v_input FROM yuxi.inputs
             WHERE session_id = p_session AND client_request_id = p_client_request_id;
         IF FOUND THEN
+            -- The same key with another request is a client bug: refuse it.
+            IF NOT EXISTS (SELECT 1 FROM yuxi.inputs WHERE id = v_input
+                             AND content = p_content AND mode = p_mode) THEN
+                RAISE EXCEPTION 'client_request_id % was already used for another input',
+                    p_client_request_id USING ERRCODE = 'YX004';
+            END IF;
             RETURN v_input;
         END IF;
     END IF;

@@ -76,6 +76,12 @@ async def test_client_request_id_returns_the_same_receipt(pool, alice):
     other = await sessions.receive_input(pool, scope, session.id, content="a",
                                          client_request_id="req-2")
     assert other.input_id != first.input_id
+    # The same key with another request is refused and writes nothing.
+    from yuxi.errors import Conflict
+    with pytest.raises(Conflict):
+        await sessions.receive_input(pool, scope, session.id, content="b",
+                                     client_request_id="req-1")
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.inputs") == 2
 
 
 async def test_bad_input_is_refused_and_writes_nothing(pool, alice, mallory):
