@@ -47,3 +47,16 @@ def gated_model():
     finally:
         GATE.opened.set()
         models.PROVIDERS.pop("gated", None)
+
+
+async def start_run(pool, checkpoint_pool, scope, config, content="go"):
+    """A new session of `config`, an input, and its first run executing in a
+    task (the test opens the gate when it is ready)."""
+    from tests.integration.helpers import executor, new_session, runs_with_status
+    from yuxi.services import sessions
+
+    session = await new_session(pool, scope, config)
+    receipt = await sessions.receive_input(pool, scope, session.id, content=content)
+    (run_id,) = await runs_with_status(pool, "ready")
+    task = asyncio.create_task(executor(pool, checkpoint_pool).execute(run_id))
+    return session, receipt, task

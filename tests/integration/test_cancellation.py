@@ -47,12 +47,8 @@ async def test_queued_turn_is_cancelled_at_once_and_the_next_one_runs(
 
 
 async def _gated_run(pool, checkpoint_pool, scope, steps):
-    session = await new_session(pool, scope, {"model": "gated", "tools": ["echo"],
-                                              "replay": {"default": steps}})
-    receipt = await sessions.receive_input(pool, scope, session.id, content="go")
-    (run_id,) = await runs_with_status(pool, "ready")
-    task = asyncio.create_task(executor(pool, checkpoint_pool).execute(run_id))
-    return session, receipt, task
+    return await gated.start_run(pool, checkpoint_pool, scope, {
+        "model": "gated", "tools": ["echo"], "replay": {"default": steps}})
 
 
 async def test_cancel_during_the_final_answer_never_completes(pool, checkpoint_pool, alice):

@@ -24,11 +24,7 @@ TOOL = {"call": [{"tool": "echo", "args": {"text": "t"}}]}
 
 
 async def _start(pool, checkpoint_pool, scope, config, content="a"):
-    session = await new_session(pool, scope, config)
-    receipt = await sessions.receive_input(pool, scope, session.id, content=content)
-    (run_id,) = await runs_with_status(pool, "ready")
-    task = asyncio.create_task(executor(pool, checkpoint_pool).execute(run_id))
-    return session, receipt, task
+    return await gated.start_run(pool, checkpoint_pool, scope, config, content)
 
 
 async def test_steer_joins_the_running_turn_before_the_next_model_call(pool, checkpoint_pool, alice):
