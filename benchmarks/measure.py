@@ -94,9 +94,12 @@ class CpuSnapshot:
     backends: dict[int, float] = field(default_factory=dict)  # pid -> CPU seconds
 
     @classmethod
-    def take(cls, pids: dict[str, int], backends: Sequence[int] = ()) -> CpuSnapshot:
+    def take(cls, pids: dict[str, int | Sequence[int]],
+             backends: Sequence[int] = ()) -> CpuSnapshot:
+        """`pids`: a name's CPU is the sum over its processes."""
         busy, total = machine_cpu()
-        return cls({name: process_cpu(pid) for name, pid in pids.items()},
+        return cls({name: sum(process_cpu(p) for p in ([pid] if isinstance(pid, int) else pid))
+                    for name, pid in pids.items()},
                    postgres_cpu(), busy, total, {pid: process_cpu(pid) for pid in backends})
 
     @property

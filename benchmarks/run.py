@@ -1,12 +1,12 @@
 """Throughput of the whole system versus the bare LangGraph graph.
 
     python -m benchmarks.run [--turns N] [--concurrency C] [--sessions S]
-                             [--worker-concurrency W] [--database-url URL]
+                             [--worker-concurrency W] [--workers P] [--database-url URL]
 
 One run, one process tree, one fresh database (dropped and recreated):
 
-(a) system: the real API (uvicorn) and ONE real `procrastinate worker`
-    process. N turns are submitted over HTTP at once (C requests in flight)
+(a) system: the real API (uvicorn) and P (default 1) real `procrastinate worker`
+    processes. N turns are submitted over HTTP at once (C requests in flight)
     across S sessions of a one-step replay agent. A turn's latency is the time
     from its 202 receipt (client clock) to the NOTIFY of its `turn.completed`
     event (same clock: this process LISTENs on `yuxi_events`).
@@ -72,6 +72,7 @@ class Options:
     concurrency: int
     sessions: int
     worker_concurrency: int
+    workers: int
     warmup: int
     timeout: float
     profile_dir: Path | None
@@ -89,6 +90,8 @@ def parse_args(argv: list[str] | None = None) -> Options:
     p.add_argument("--sessions", type=int, default=64, help="sessions the turns spread over (S)")
     p.add_argument("--worker-concurrency", type=int, default=16,
                    help="YUXI_WORKER_CONCURRENCY of the worker process (W)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="worker processes (P)")
     p.add_argument("--warmup", type=int, default=64,
                    help="uncounted turns/runs first (they also warm every pooled "
                         "connection: catalog caches, PL/pgSQL)")
@@ -108,13 +111,14 @@ def parse_args(argv: list[str] | None = None) -> Options:
     p.add_argument("--keep-logs", action="store_true",
                    help="keep the subprocess logs even when everything went well")
     a = p.parse_args(argv)
-    for name in ("turns", "concurrency", "sessions", "worker_concurrency"):
+    for name in ("turns", "concurrency", "sessions", "worker_concurrency", "workers"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if a.warmup < 0:
         p.error("--warmup must not be negative")
     return Options(url=a.database_url, turns=a.turns, concurrency=a.concurrency,
                    sessions=a.sessions, worker_concurrency=a.worker_concurrency,
+                   workers=a.workers,
                    warmup=a.warmup, timeout=a.timeout, profile_dir=a.profile,
                    keep_logs=a.keep_logs, breakdown=a.breakdown)
 
@@ -246,10 +250,11 @@ def start_api(opts: Options, env: dict[str, str], log_dir: Path) -> tuple[Proc, 
     return Proc("api", args, env, log_dir), f"http://127.0.0.1:{port}"
 
 
-def start_worker(opts: Options, env: dict[str, str], log_dir: Path) -> Proc:
+def start_worker(opts: Options, env: dict[str, str], log_dir: Path, n: int) -> Proc:
     args = [str(BIN / "procrastinate"), "--app=workers.app.app", "worker"]
-    out = opts.profile_dir / "worker.prof" if opts.profile_dir else None
-    return Proc("worker", _profiled(args, out), env, log_dir)
+    name = "worker" if opts.workers == 1 else f"worker{n + 1}"
+    out = opts.profile_dir / f"{name}.prof" if opts.profile_dir else None
+    return Proc(name, _profiled(args, out), env, log_dir)
 
 
 async def wait_ready(base: str, procs: list[Proc], timeout: float = 60.0) -> None:
@@ -469,8 +474,8 @@ async def run_system(opts: Options, key: str, agent_id: uuid.UUID,
     try:
         api, base = start_api(opts, env, log_dir)
         procs.append(api)
-        worker = start_worker(opts, env, log_dir)
-        procs.append(worker)
+        workers = [start_worker(opts, env, log_dir, n) for n in range(opts.workers)]
+        procs.extend(workers)
         await wait_ready(base, procs)
         # One client (one connection) per concurrent request: httpx's pool
         # costs O(connections) per request, which would load this process.
@@ -493,7 +498,8 @@ async def run_system(opts: Options, key: str, agent_id: uuid.UUID,
             background = await settle()
             db_before = await DbSnapshot.take(opts.url)
             queries_before = watcher.queries
-            pids = {"api": api.pid, "worker": worker.pid, "bench client": os.getpid()}
+            pids = {"api": api.pid, "worker": [w.pid for w in workers],
+                    "bench client": os.getpid()}
             cpu_before = CpuSnapshot.take(pids, await backend_pids(opts.url))
 
             receipts = {}
@@ -794,10 +800,12 @@ def report(opts: Options, system: SystemResult, direct: DirectResult,
         "Yuxi sessions benchmark",
         f"  database {opts.url}",
         f"  N={opts.turns} turns  concurrency C={opts.concurrency}  sessions S={opts.sessions}  "
-        f"worker concurrency W={opts.worker_concurrency}  warm-up {opts.warmup}  "
+        f"worker processes P={opts.workers}  worker concurrency W={opts.worker_concurrency}  "
+        f"warm-up {opts.warmup}  "
         f"cores {os.cpu_count()}",
         "",
-        "(a) system: API + 1 worker process, HTTP submissions, completion by NOTIFY",
+        f"(a) system: API + {opts.workers} worker process{'es' if opts.workers > 1 else ''}, "
+        "HTTP submissions, completion by NOTIFY",
         f"  {system_rate:.1f} turns/s  ({system.turns} turns in {system.elapsed:.2f} s; "
         f"all {system.turns} submitted in {system.submit_elapsed:.2f} s)",
         f"  receipt-to-result latency ms: p50 {p50:.0f}  p90 "

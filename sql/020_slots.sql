@@ -15,9 +15,10 @@ AS $$
 $$;
 
 -- Give a slot to a pending run if the tree has one free and no older run is
--- waiting; the run becomes ready and its job is deferred. Returns true when
--- the slot was taken; otherwise the run stays pending in the FIFO.
-CREATE FUNCTION yuxi.claim_slot_v1(p_run uuid) RETURNS boolean
+-- waiting; the run becomes ready and its job is deferred (unless p_defer is
+-- false: then the caller starts the run in this transaction). Returns true
+-- when the slot was taken; otherwise the run stays pending in the FIFO.
+CREATE FUNCTION yuxi.claim_slot_v1(p_run uuid, p_defer boolean DEFAULT true) RETURNS boolean
     LANGUAGE plpgsql AS $$
 DECLARE
     v_run yuxi.runs;
@@ -41,7 +42,9 @@ BEGIN
     END IF;
     INSERT INTO yuxi.slot_claims (run_id, tree_id) VALUES (p_run, v_run.tree_id);
     UPDATE yuxi.runs SET status = 'ready' WHERE id = p_run;
-    PERFORM yuxi.defer_run_job_v1(p_run);
+    IF p_defer THEN
+        PERFORM yuxi.defer_run_job_v1(p_run);
+    END IF;
     RETURN true;
 END;
 $$;

@@ -48,8 +48,9 @@ $$;
 -- queue is not paused: the turn runs, its first run is created with the
 -- input's frozen config and claims a slot (or waits in the tree FIFO).
 -- Returns the started turn's id or NULL. Caller holds the tree lock or not;
--- it is taken here first either way.
-CREATE FUNCTION yuxi.start_next_turn_v1(p_session uuid) RETURNS uuid
+-- it is taken here first either way. p_defer: as in claim_slot_v1.
+CREATE FUNCTION yuxi.start_next_turn_v1(p_session uuid, p_defer boolean DEFAULT true)
+RETURNS uuid
     LANGUAGE plpgsql AS $$
 DECLARE
     v_session yuxi.sessions;
@@ -83,7 +84,7 @@ BEGIN
     RETURNING id INTO v_run;
     PERFORM yuxi.emit_event_v1(v_turn.tree_id, p_session, v_turn.id, v_run, 'turn.started',
                                jsonb_build_object('input_id', v_turn.input_id));
-    PERFORM yuxi.claim_slot_v1(v_run);
+    PERFORM yuxi.claim_slot_v1(v_run, p_defer);
     RETURN v_turn.id;
 END;
 $$;

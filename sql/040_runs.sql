@@ -2,15 +2,47 @@
 -- calls takes its lease token; a worker whose lease was lost (expired, or the
 -- run was recovered by someone else) gets YX003 and changes nothing.
 
+-- What a worker needs to execute a run it leased: the run, its turn's first
+-- input, the session's identity, and whether anything waits at the run's
+-- first model boundary (a cancel intent, a steer of its turn, an unprocessed
+-- message to its session): when nothing does, the worker skips that check.
+CREATE TYPE yuxi.leased_run AS (
+    id uuid, turn_id uuid, session_id uuid, tree_id uuid, user_id uuid, app_id uuid,
+    attempt integer, config jsonb, resume jsonb,
+    input_id uuid, input_content text,
+    session_name text, session_path text, session_parent_id uuid,
+    boundary_pending boolean
+);
+
+CREATE FUNCTION yuxi.leased_run_v1(p_run uuid) RETURNS yuxi.leased_run
+    LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_out yuxi.leased_run;
+BEGIN
+    SELECT r.id, r.turn_id, r.session_id, r.tree_id, r.user_id, r.app_id, r.attempt,
+           r.config, r.resume, t.input_id, i.content, s.name, s.path, s.parent_id,
+           t.cancel_requested_at IS NOT NULL
+           OR EXISTS (SELECT 1 FROM yuxi.inputs x WHERE x.turn_id = t.id AND x.id <> t.input_id)
+           OR EXISTS (SELECT 1 FROM yuxi.messages m
+                      WHERE m.receiver_session_id = r.session_id AND m.processed_at IS NULL)
+      INTO v_out
+      FROM yuxi.runs r
+      JOIN yuxi.turns t ON t.id = r.turn_id
+      JOIN yuxi.inputs i ON i.id = t.input_id
+      JOIN yuxi.sessions s ON s.id = r.session_id
+     WHERE r.id = p_run;
+    RETURN v_out;
+END;
+$$;
+
 -- Take the lease of a ready run: it becomes running with a fresh token.
 -- Returns NULL when the run is not ready (a duplicate or stale job), so the
 -- caller simply stops.
 CREATE FUNCTION yuxi.start_run_v1(p_run uuid, p_token uuid, p_lease_seconds double precision)
-RETURNS yuxi.runs
+RETURNS yuxi.leased_run
     LANGUAGE plpgsql AS $$
 DECLARE
     v_run yuxi.runs;
-    v_first boolean;
 BEGIN
     SELECT * INTO v_run FROM yuxi.runs WHERE id = p_run;
     IF NOT FOUND OR v_run.status <> 'ready' THEN
@@ -27,7 +59,7 @@ BEGIN
     END IF;
     PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
                                'run.started', jsonb_build_object('attempt', v_run.attempt));
-    RETURN v_run;
+    RETURN yuxi.leased_run_v1(p_run);
 END;
 $$;
 
@@ -102,11 +134,17 @@ $$;
 -- End a turn whose last run is p_run (already ended by the caller): the turn
 -- and its input take the final status, the run becomes the turn's result, the
 -- slot goes to the tree FIFO and the session's next queued turn starts.
-CREATE FUNCTION yuxi.finish_turn_v1(p_run uuid, p_status text, p_error text) RETURNS void
+-- With p_continue, a next run that gets a slot at once gets no job: its id is
+-- returned and the caller must start it in this same transaction (the worker
+-- that finished goes on with it). Returns NULL otherwise.
+CREATE FUNCTION yuxi.finish_turn_v1(p_run uuid, p_status text, p_error text,
+                                    p_continue boolean DEFAULT false) RETURNS uuid
     LANGUAGE plpgsql AS $$
 DECLARE
     v_run yuxi.runs;
     v_turn yuxi.turns;
+    v_next_turn uuid;
+    v_next uuid;
 BEGIN
     SELECT * INTO v_run FROM yuxi.runs WHERE id = p_run;
     UPDATE yuxi.turns
@@ -126,7 +164,11 @@ BEGIN
     PERFORM yuxi.emit_event_v1(v_turn.tree_id, v_turn.session_id, v_turn.id, p_run,
                                'turn.' || p_status,
                                jsonb_build_object('input_id', v_turn.input_id, 'error', p_error));
-    PERFORM yuxi.start_next_turn_v1(v_turn.session_id);
+    v_next_turn := yuxi.start_next_turn_v1(v_turn.session_id, NOT p_continue);
+    IF p_continue AND v_next_turn IS NOT NULL THEN
+        SELECT id INTO v_next FROM yuxi.runs WHERE turn_id = v_next_turn AND status = 'ready';
+    END IF;
+    RETURN v_next;
 END;
 $$;
 
@@ -160,31 +202,45 @@ $$;
 -- deliver it with one more model call. Receiving a steer takes the tree lock
 -- too, so a steer either lands before this check or finds the session idle.
 -- A committed cancel intent wins over the result: the run is cancelled.
+-- With p_next_token, the session's next queued turn, when it gets a slot at
+-- once, is leased to the caller with that token (next_run) instead of being
+-- given a job: one commit and no queue round trip between a session's turns.
 CREATE FUNCTION yuxi.complete_run_v1(
-    p_run uuid, p_token uuid, p_output jsonb, p_delivered uuid[] DEFAULT '{}'
-) RETURNS text
+    p_run uuid, p_token uuid, p_output jsonb, p_delivered uuid[] DEFAULT '{}',
+    p_next_token uuid DEFAULT NULL, p_lease_seconds double precision DEFAULT NULL,
+    OUT outcome text, OUT next_run yuxi.leased_run
+)
     LANGUAGE plpgsql AS $$
 DECLARE
     v_run yuxi.runs;
+    v_next uuid;
 BEGIN
+    IF p_next_token IS NOT NULL AND p_lease_seconds IS NULL THEN
+        RAISE EXCEPTION 'a next run needs a lease duration' USING ERRCODE = 'YX007';
+    END IF;
     v_run := yuxi.fence_run_v1(p_run, p_token);
     -- A cancel intent committed before this boundary wins over the result.
     IF EXISTS (SELECT 1 FROM yuxi.turns
                WHERE id = v_run.turn_id AND cancel_requested_at IS NOT NULL) THEN
         PERFORM yuxi.cancel_run_v1(p_run, p_token);
-        RETURN 'cancelled';
+        outcome := 'cancelled';
+        RETURN;
     END IF;
     IF EXISTS (SELECT 1 FROM yuxi.inputs i JOIN yuxi.turns t ON t.id = i.turn_id
                WHERE i.turn_id = v_run.turn_id AND i.id <> t.input_id
                  AND NOT (i.id = ANY(coalesce(p_delivered, '{}')))) THEN
-        RETURN 'steer';
+        outcome := 'steer';
+        RETURN;
     END IF;
     UPDATE yuxi.runs SET status = 'completed', output = p_output, finished_at = now()
      WHERE id = p_run;
     PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
                                'run.completed', '{}');
-    PERFORM yuxi.finish_turn_v1(p_run, 'completed', NULL);
-    RETURN 'completed';
+    v_next := yuxi.finish_turn_v1(p_run, 'completed', NULL, p_next_token IS NOT NULL);
+    IF v_next IS NOT NULL THEN
+        next_run := yuxi.start_run_v1(v_next, p_next_token, p_lease_seconds);
+    END IF;
+    outcome := 'completed';
 END;
 $$;
 

@@ -131,15 +131,7 @@ LIMIT %(limit)s;
 -- Runs (worker side) -------------------------------------------------------
 
 -- name: start_run
-SELECT r.id, r.turn_id, r.session_id, r.tree_id, r.user_id, r.app_id, r.attempt, r.config,
-       r.resume,
-       t.input_id, i.content AS input_content,
-       s.name AS session_name, s.path AS session_path, s.parent_id AS session_parent_id
-FROM yuxi.start_run_v1(%(run_id)s, %(token)s, %(lease_seconds)s) r
-JOIN yuxi.turns t ON t.id = r.turn_id
-JOIN yuxi.inputs i ON i.id = t.input_id
-JOIN yuxi.sessions s ON s.id = r.session_id
-WHERE r.id IS NOT NULL;
+SELECT * FROM yuxi.start_run_v1(%(run_id)s, %(token)s, %(lease_seconds)s) WHERE id IS NOT NULL;
 
 -- name: heartbeat_run
 SELECT yuxi.heartbeat_run_v1(%(run_id)s, %(token)s, %(lease_seconds)s) AS held;
@@ -151,7 +143,9 @@ SELECT yuxi.check_lease_v1(%(run_id)s, %(token)s);
 SELECT yuxi.emit_run_event_v1(%(run_id)s, %(token)s, %(type)s, %(data)s, %(dedupe_key)s) AS seq;
 
 -- name: complete_run
-SELECT yuxi.complete_run_v1(%(run_id)s, %(token)s, %(output)s, %(delivered)s) AS outcome;
+SELECT c.outcome, (c.next_run).*
+FROM yuxi.complete_run_v1(%(run_id)s, %(token)s, %(output)s, %(delivered)s,
+                          %(next_token)s, %(lease_seconds)s) c;
 
 -- name: mark_steers_delivered
 SELECT yuxi.mark_steers_delivered_v1(%(run_id)s, %(token)s, %(input_ids)s) AS marked;

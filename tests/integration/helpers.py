@@ -25,8 +25,11 @@ async def new_session(pool, scope: Scope, config: dict[str, Any] | None = None,
     return await sessions.create_session(pool, scope, agent_id=agent.id, default_model="replay")
 
 
-def executor(pool, checkpoint_pool, **settings: Any) -> RunExecutor:
-    return RunExecutor(Settings(**settings), pool, checkpoint_pool)
+def executor(pool, checkpoint_pool, continued_turns: int | None = None,
+             **settings: Any) -> RunExecutor:
+    """The worker's executor; `continued_turns=0` executes exactly the run given."""
+    extra = {} if continued_turns is None else {"max_continued_turns": continued_turns}
+    return RunExecutor(Settings(**settings), pool, checkpoint_pool, **extra)
 
 
 async def runs_with_status(pool, status: str, tree_id=None) -> list[uuid.UUID]:

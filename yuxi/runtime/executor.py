@@ -23,7 +23,7 @@ from psycopg_pool import AsyncConnectionPool
 from yuxi.errors import LeaseLost, YuxiError
 from yuxi.runtime.graph import build_graph
 from yuxi.runtime.models import build_chat_model
-from yuxi.runtime.saver import fenced_saver
+from yuxi.runtime.saver import checkpoint_connection, mark
 from yuxi.runtime import cooperation, questions, sandbox_tools  # noqa: F401  (tool registration)
 from yuxi.runtime.tools import ToolContext, available_tools
 from yuxi.services import resources, runs, sandbox
@@ -82,11 +82,20 @@ class SteerInbox:
     """What reaches the run's conversation at a safe boundary: steers of its
     turn and cooperation messages to its session not yet in it, oldest first."""
 
-    def __init__(self, pool: AsyncConnectionPool, run: dict[str, Any], token: uuid.UUID) -> None:
+    def __init__(self, pool: AsyncConnectionPool, run: dict[str, Any], token: uuid.UUID,
+                 *, first_checked: bool = False) -> None:
         self.pool, self.run, self.token = pool, run, token
+        # The lease was taken an instant ago by a transaction that found
+        # nothing waiting (`boundary_pending`): the first boundary is passed.
+        # What commits in between is met at completion (cancel, steer) or at
+        # the next boundary.
+        self.first_checked = first_checked
 
     async def take(self, messages: list[Any]) -> list[HumanMessage]:
         """Raises TurnCancelled when a cancel intent was committed."""
+        if self.first_checked:
+            self.first_checked = False
+            return []
         present = {m.id for m in messages}
         rows = await runs.boundary(self.pool, self.run)
         if any(r["kind"] == "cancel" for r in rows):
@@ -220,49 +229,77 @@ async def drive(graph: Any, cfg: dict[str, Any], run: dict[str, Any],
     return turn_output(messages, first.id), delivered_steers(messages, first.id)
 
 
+# A worker goes on with its session's next queued turn (leased to it in the
+# completing transaction, without a job) at most this many times in one job,
+# then leaves the next turn to the queue: a busy session holds one worker slot
+# for a bounded time while other sessions' jobs wait.
+MAX_CONTINUED_TURNS = 8
+
+Next = tuple[dict[str, Any], uuid.UUID]  # a leased next run and its token
+
+
 class RunExecutor:
     def __init__(self, settings: Settings, pool: AsyncConnectionPool,
-                 checkpoint_pool: AsyncConnectionPool) -> None:
+                 checkpoint_pool: AsyncConnectionPool, *,
+                 max_continued_turns: int = MAX_CONTINUED_TURNS) -> None:
         self.settings = settings
         self.pool = pool
         self.checkpoint_pool = checkpoint_pool
+        self.max_continued_turns = max_continued_turns
 
     async def execute(self, run_id: uuid.UUID) -> str:
-        """Execute a run. Returns what happened: skipped (not ready: a stale
-        or duplicate job), completed, suspended, cancelled, failed, or
-        lease_lost (then the worker changed nothing)."""
+        """Execute a run, then the session's next queued turns handed to this
+        worker when the run completed (up to max_continued_turns). Returns what
+        happened to the last one: skipped (not ready: a stale or duplicate job),
+        completed, suspended, cancelled, failed, or lease_lost (then the worker
+        changed nothing)."""
         token = uuid.uuid4()
-        lease = self.settings.lease_seconds
-        run = await runs.start_run(self.pool, run_id, token, lease)
+        run = await runs.start_run(self.pool, run_id, token, self.settings.lease_seconds)
         if run is None:
             return "skipped"
-        work = asyncio.create_task(self._run_turn(run, token))
+        # One checkpoint connection for the job's runs, marked for each.
+        async with checkpoint_connection(self.checkpoint_pool) as conn:
+            for left in range(self.max_continued_turns, -1, -1):
+                outcome, following = await self._execute_leased(run, token, conn, left > 0)
+                if following is None:
+                    return outcome
+                log.info("run %s: %s; going on with run %s", run["id"], outcome,
+                         following[0]["id"])
+                run, token = following
+        raise AssertionError("unreachable: the last turn is never continued")
+
+    async def _execute_leased(self, run: dict[str, Any], token: uuid.UUID,
+                              conn: psycopg.AsyncConnection, go_on: bool,
+                              ) -> tuple[str, Next | None]:
+        """Execute a run whose lease this worker holds; with `go_on`, a
+        completion may hand over the session's next run."""
+        run_id = run["id"]
+        work = asyncio.create_task(self._run_turn(run, token, conn, go_on))
         keeper = asyncio.create_task(self._keep_lease(run_id, token))
         try:
             await asyncio.wait({work, keeper}, return_when=asyncio.FIRST_COMPLETED)
             if not work.done():  # the lease was lost: stop, write nothing
                 work.cancel()
                 await asyncio.gather(work, return_exceptions=True)
-                return "lease_lost"
+                return "lease_lost", None
             keeper.cancel()
             try:
-                outcome = work.result()
+                return work.result()
             except LeaseLost:
-                return "lease_lost"
+                return "lease_lost", None
             except TurnCancelled:
                 await runs.cancel_run(self.pool, run_id, token)
-                return "cancelled"
+                return "cancelled", None
             except Exception as exc:
                 if isinstance(exc, psycopg.Error) and exc.sqlstate == "YX003":
-                    return "lease_lost"  # a checkpoint write met the fence
+                    return "lease_lost", None  # a checkpoint write met the fence
                 log.info("run %s failed: %s", run_id, exc)
                 error = (f"{exc.code}: {exc.message}" if isinstance(exc, YuxiError)
                          else f"{type(exc).__name__}: {exc}")
                 await runs.fail(self.pool, run_id, token, error)
-                return "failed"
-            return outcome
+                return "failed", None
         except LeaseLost:
-            return "lease_lost"
+            return "lease_lost", None
         finally:
             for task in (work, keeper):
                 task.cancel()
@@ -283,7 +320,8 @@ class RunExecutor:
             except Exception:  # a transient database error: try again
                 log.exception("heartbeat of run %s failed", run_id)
 
-    async def _run_turn(self, run: dict[str, Any], token: uuid.UUID) -> str:
+    async def _run_turn(self, run: dict[str, Any], token: uuid.UUID,
+                        conn: psycopg.AsyncConnection, go_on: bool) -> tuple[str, Next | None]:
         """Drive the graph and complete the run; a steer that arrived while the
         model produced the final answer gets one more model call; a wait tool
         suspends the run (unless its condition already holds)."""
@@ -301,14 +339,15 @@ class RunExecutor:
             box = await sandbox.claim(self.pool, self.settings.data_dir, run["id"], token,
                                       run["tree_id"])
         try:
-            async with fenced_saver(self.checkpoint_pool, run["id"], token) as saver:
-                return await self._drive_turn(run, token, visible, box, saver)
+            saver = await mark(conn, run["id"], token)
+            return await self._drive_turn(run, token, visible, box, saver, go_on)
         finally:
             if box is not None:
                 await sandbox.touch(self.pool, run["tree_id"])
 
     async def _drive_turn(self, run: dict[str, Any], token: uuid.UUID,
-                          visible: list[resources.Resolved], box: Any, saver: Any) -> str:
+                          visible: list[resources.Resolved], box: Any, saver: Any,
+                          go_on: bool = False) -> tuple[str, Next | None]:
         graph, cfg = self._graph(run, token, saver, visible, box)
         extra: list[Any] = []
         resume = run.get("resume")
@@ -318,18 +357,21 @@ class RunExecutor:
             except Suspended as stop:
                 if (ask := stop.user_request()) is not None:
                     await runs.suspend_for_user(self.pool, run["id"], token, *ask)
-                    return "suspended"
+                    return "suspended", None
                 wait = stop.cooperation_wait()
                 outcome = await runs.suspend(
                     self.pool, run["id"], token, wait["kind"],
                     [uuid.UUID(t) for t in wait["targets"]], wait["cursor"], wait["timeout_s"])
                 if outcome == "suspended":
-                    return "suspended"
+                    return "suspended", None
                 resume, extra = {"reason": outcome}, []  # ready or cycle: answer at once
                 continue
-            outcome = await runs.complete(self.pool, run["id"], token, output, delivered)
+            next_token = uuid.uuid4() if go_on else None
+            outcome, following = await runs.complete(
+                self.pool, run["id"], token, output, delivered, next_token=next_token,
+                lease_seconds=self.settings.lease_seconds)
             if outcome != "steer":
-                return outcome
+                return outcome, (following, next_token) if following else None
             resume = None
             extra = await SteerInbox(self.pool, run, token).take(
                 (await graph.aget_state(cfg)).values["messages"])
@@ -352,7 +394,8 @@ class RunExecutor:
         reporter = EventReporter(self.pool, run["id"], token, run["turn_id"])
         graph = build_graph(model, tools, reporter, preamble=preamble,
                             checkpointer=saver,
-                            inbox=SteerInbox(self.pool, run, token),
+                            inbox=SteerInbox(self.pool, run, token, first_checked=not run.get(
+                                "boundary_pending", True)),
                             tool_context=lambda call_id, cursors, waits_in_step: ToolContext(
                                 pool=self.pool, run_id=run["id"], token=token,
                                 call_id=call_id, visible=tuple(visible), run=run,

@@ -16,19 +16,20 @@ import uuid
 from collections.abc import AsyncIterator
 
 from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
+from psycopg import AsyncConnection
 from psycopg_pool import AsyncConnectionPool
 
 MARK = "SELECT set_config('yuxi.run_id', %s, false), set_config('yuxi.lease_token', %s, false)"
 
 
 @contextlib.asynccontextmanager
-async def fenced_saver(pool: AsyncConnectionPool, run_id: uuid.UUID,
-                       token: uuid.UUID) -> AsyncIterator[AsyncPostgresSaver]:
-    """A checkpointer on a connection marked with the run's lease."""
+async def checkpoint_connection(pool: AsyncConnectionPool) -> AsyncIterator[AsyncConnection]:
+    """A connection of the checkpoint pool, unmarked when it goes back (a
+    worker goes on with several runs of a session on one connection, marking
+    it for each)."""
     async with pool.connection() as conn:
-        await conn.execute(MARK, (str(run_id), str(token)))
         try:
-            yield AsyncPostgresSaver(conn)
+            yield conn
         finally:
             try:
                 await conn.execute(MARK, ("", ""))
@@ -36,3 +37,17 @@ async def fenced_saver(pool: AsyncConnectionPool, run_id: uuid.UUID,
                 # Cancelled or broken: never hand a marked connection back.
                 await conn.close()
                 raise
+
+
+async def mark(conn: AsyncConnection, run_id: uuid.UUID, token: uuid.UUID) -> AsyncPostgresSaver:
+    """Mark the connection with the run's lease; its checkpointer."""
+    await conn.execute(MARK, (str(run_id), str(token)))
+    return AsyncPostgresSaver(conn)
+
+
+@contextlib.asynccontextmanager
+async def fenced_saver(pool: AsyncConnectionPool, run_id: uuid.UUID,
+                       token: uuid.UUID) -> AsyncIterator[AsyncPostgresSaver]:
+    """A checkpointer on a connection marked with the run's lease."""
+    async with checkpoint_connection(pool) as conn:
+        yield await mark(conn, run_id, token)

@@ -51,17 +51,24 @@ async def emit(
 
 async def complete(
     pool: AsyncConnectionPool, run_id: uuid.UUID, token: uuid.UUID, output: dict[str, Any],
-    delivered: list[uuid.UUID] = (),
-) -> str:
+    delivered: list[uuid.UUID] = (), *, next_token: uuid.UUID | None = None,
+    lease_seconds: float | None = None,
+) -> tuple[str, dict[str, Any] | None]:
     """Complete the run and its turn: 'completed'; 'steer' (nothing changed)
     when the turn took in a steer that is not among `delivered` (deliver it
-    first); 'cancelled' when a cancel intent was committed before."""
+    first); 'cancelled' when a cancel intent was committed before.
+
+    With `next_token`, the session's next queued turn, when it gets a slot at
+    once, comes back leased with that token (as `start_run` returns it) and
+    gets no job: the caller must execute it."""
     async with pool.connection() as conn:
         row = await db.fetch_one(
             conn, "complete_run",
             {"run_id": run_id, "token": token, "output": Jsonb(output),
-             "delivered": list(delivered)})
-    return row["outcome"]
+             "delivered": list(delivered), "next_token": next_token,
+             "lease_seconds": lease_seconds})
+    outcome = row.pop("outcome")
+    return outcome, (row if row["id"] is not None else None)
 
 
 async def cancel_requested(pool: AsyncConnectionPool, turn_id: uuid.UUID) -> bool:

@@ -1,0 +1,117 @@
+"""A worker that completes a turn goes on with its session's next queued turn:
+the completing transaction leases the next run to it (no job, no queue round
+trip), bounded per job; the hand-over is as durable as a job."""
+
+from __future__ import annotations
+
+import uuid
+
+from tests.integration.helpers import events, executor, new_session, rows, runs_with_status, scalar, say_agent
+from yuxi.services import runs, sessions
+
+
+async def _jobs(pool) -> list[str]:
+    """Run ids of the execute_run jobs deferred so far."""
+    found = await rows(pool, "SELECT args->>'run_id' AS run_id FROM procrastinate.procrastinate_jobs "
+                             "WHERE task_name = 'execute_run' ORDER BY id")
+    return [r["run_id"] for r in found]
+
+
+async def _queued(pool, scope, n: int):
+    session = await new_session(pool, scope, say_agent("answer to {{ input }}"))
+    receipts = [await sessions.receive_input(pool, scope, session.id, content=f"q{i}", mode="queue")
+                for i in range(n)]
+    return session, receipts
+
+
+async def test_the_worker_goes_on_with_the_next_queued_turn_without_a_job(
+        pool, checkpoint_pool, alice):
+    scope = alice[1]
+    session, receipts = await _queued(pool, scope, 3)
+    (first,) = await runs_with_status(pool, "ready")
+    assert await _jobs(pool) == [str(first)]
+    assert await executor(pool, checkpoint_pool).execute(first) == "completed"
+    for i, receipt in enumerate(receipts):
+        result = await sessions.get_result(pool, scope, receipt.turn_id)
+        assert (result.status, result.output["text"]) == ("completed", f"answer to q{i}")
+    # Three runs, one job: the next runs were leased in the completing transactions.
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.runs") == 3
+    assert await _jobs(pool) == [str(first)]
+    # Each turn reports its whole life, whichever way its run was started.
+    log = await events(pool, session.tree_id)
+    for receipt in receipts:
+        assert [e["type"] for e in log if e["turn_id"] == receipt.turn_id] == [
+            "input.received", "turn.started", "run.started", "message", "run.completed",
+            "turn.completed"]
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.slot_claims") == 0
+
+
+async def test_without_hand_over_the_next_turn_gets_a_job(pool, checkpoint_pool, alice):
+    # Negative case: with no continuation allowed, completing defers a job for
+    # the next turn (as fail, cancel and recovery always do).
+    scope = alice[1]
+    session, receipts = await _queued(pool, scope, 2)
+    (first,) = await runs_with_status(pool, "ready")
+    assert await executor(pool, checkpoint_pool, continued_turns=0).execute(first) == "completed"
+    (second,) = await runs_with_status(pool, "ready")
+    assert await _jobs(pool) == [str(first), str(second)]
+
+
+async def test_continuation_is_bounded_per_job(pool, checkpoint_pool, alice):
+    scope = alice[1]
+    session, receipts = await _queued(pool, scope, 4)
+    (first,) = await runs_with_status(pool, "ready")
+    assert await executor(pool, checkpoint_pool, continued_turns=1).execute(first) == "completed"
+    statuses = [(await sessions.get_turn(pool, scope, r.turn_id)).status for r in receipts]
+    assert statuses == ["completed", "completed", "running", "queued"]
+    (third,) = await runs_with_status(pool, "ready")
+    assert await _jobs(pool) == [str(first), str(third)]  # the queue takes over
+
+
+async def test_a_handed_over_run_whose_worker_died_is_recovered(pool, checkpoint_pool, alice):
+    # The worker commits the hand-over and dies before executing the next run:
+    # it is a leased run like any other, so lease expiry recovers it.
+    scope = alice[1]
+    session, receipts = await _queued(pool, scope, 2)
+    (first,) = await runs_with_status(pool, "ready")
+    token, next_token = uuid.uuid4(), uuid.uuid4()
+    assert await runs.start_run(pool, first, token, 30) is not None
+    outcome, following = await runs.complete(pool, first, token, {"text": "one"},
+                                             next_token=next_token, lease_seconds=30)
+    assert outcome == "completed"
+    assert following["turn_id"] == receipts[1].turn_id and following["input_content"] == "q1"
+    assert following["boundary_pending"] is False
+    assert await rows(pool, "SELECT status, lease_token FROM yuxi.runs WHERE id = %s",
+                      (following["id"],)) == [{"status": "running", "lease_token": next_token}]
+    await scalar(pool, "UPDATE yuxi.runs SET lease_expires_at = clock_timestamp() - interval '1 s' "
+                       "WHERE id = %s RETURNING id", (following["id"],))
+    (retry,) = await runs.recover_expired(pool, max_attempts=3)
+    assert retry == following["id"]
+    (ready,) = await runs_with_status(pool, "ready")
+    assert await _jobs(pool) == [str(first), str(ready)]
+    await executor(pool, checkpoint_pool).execute(ready)
+    result = await sessions.get_result(pool, scope, receipts[1].turn_id)
+    assert (result.status, result.output["text"]) == ("completed", "answer to q1")
+
+
+async def test_the_next_turn_never_jumps_the_tree_fifo(pool, checkpoint_pool, alice):
+    # A member's run waiting for a slot is older than the next queued turn:
+    # the freed slot is the member's (with a job), and nothing is handed over.
+    scope = alice[1]
+    session, receipts = await _queued(pool, scope, 2)
+    (first,) = await runs_with_status(pool, "ready")
+    token = uuid.uuid4()
+    assert await runs.start_run(pool, first, token, 30) is not None
+    await scalar(pool, "UPDATE yuxi.trees SET slot_capacity = 1 WHERE id = %s RETURNING id",
+                 (session.tree_id,))
+    await scalar(pool, "SELECT yuxi.create_child_session_v1(%s, NULL, 'kid', NULL, NULL, '{}', "
+                       "'task')", (session.id,))
+    (member,) = await runs_with_status(pool, "pending")
+    outcome, following = await runs.complete(pool, first, token, {"text": "one"},
+                                             next_token=uuid.uuid4(), lease_seconds=30)
+    assert (outcome, following) == ("completed", None)
+    assert await runs_with_status(pool, "ready") == [member]
+    assert await _jobs(pool) == [str(first), str(member)]
+    (waiting,) = await runs_with_status(pool, "pending")
+    assert await scalar(pool, "SELECT turn_id FROM yuxi.runs WHERE id = %s",
+                        (waiting,)) == receipts[1].turn_id
