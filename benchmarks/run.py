@@ -9,7 +9,7 @@ One run, one process tree, one fresh database (dropped and recreated):
     processes. N turns are submitted over HTTP at once (C requests in flight)
     across S sessions of a one-step replay agent. A turn's latency is the time
     from its 202 receipt (client clock) to the NOTIFY of its `turn.completed`
-    event (same clock: this process LISTENs on `yuxi_events`).
+    event's transaction (same clock: this process LISTENs on `yuxi_events`).
     turns/s = N / (last completion - first submission).
 (b) direct: the same graph (`build_graph`, the same replay model, a no-op
     reporter, a plain AsyncPostgresSaver per invocation) invoked N times in
@@ -313,20 +313,17 @@ class CompletionWatcher:
     result, so its arrival is the moment the result is committed (plus the
     delivery delay), on the same clock as the receipt.
 
-    Payloads are `<tree_id> <seq>` (one per event). A payload of only the
-    tree id (one per transaction) works too: the tree's new events are read
-    after a cursor, and a terminal one gets the arrival time of the last
-    notification of its tree before the read (then reads run every 20 ms,
-    which bounds the error)."""
+    A payload is a tree id (one per transaction that wrote events of that
+    tree). Every 20 ms the terminal turn events of the notified trees are
+    read after a cursor; each gets the arrival time of the last notification
+    of its tree before the read (so the error is at most ~20 ms)."""
 
     def __init__(self, url: str) -> None:
         self.url = url
         self.done: dict[str, tuple[float, str]] = {}
         self.queries = 0  # transactions this watcher ran (not the system's)
-        self._by_seq: list[tuple[str, int, float]] = []
         self._by_tree: dict[str, float] = {}
         self._cursors: dict[str, int] = {}
-        self._interval = 0.2
         self._tasks: list[asyncio.Task] = []
         self._changed = asyncio.Event()
 
@@ -346,38 +343,13 @@ class CompletionWatcher:
 
     async def _listen(self) -> None:
         async for note in self._listen_conn.notifies():
-            t = time.perf_counter()
-            tree, _, seq = note.payload.strip().partition(" ")
-            if seq.isdigit():
-                self._by_seq.append((tree, int(seq), t))
-            else:
-                self._by_tree[tree] = t
-                self._interval = 0.02
+            self._by_tree[note.payload.strip()] = time.perf_counter()
 
     async def _resolve(self) -> None:
         while True:
-            # With seqs, the completion time is the NOTIFY's arrival, so
-            # resolving late costs no precision and resolving rarely costs
-            # the machine less.
-            await asyncio.sleep(self._interval)
-            if self._by_seq:
-                await self._resolve_seqs()
+            await asyncio.sleep(0.02)
             if self._by_tree:
                 await self._resolve_trees()
-
-    async def _resolve_seqs(self) -> None:
-        batch, self._by_seq = self._by_seq, []
-        times = {(tree, seq): t for tree, seq, t in batch}
-        cur = await self._query_conn.execute(
-            "SELECT e.tree_id::text, e.seq, e.turn_id::text, e.type FROM yuxi.events e "
-            "JOIN unnest(%s::uuid[], %s::bigint[]) AS k(tree_id, seq) "
-            "  ON e.tree_id = k.tree_id AND e.seq = k.seq "
-            "WHERE e.type = ANY(%s)",
-            ([b[0] for b in batch], [b[1] for b in batch], list(TERMINAL_TURN_EVENTS)))
-        self.queries += 1
-        for tree, seq, turn_id, type_ in await cur.fetchall():
-            self.done.setdefault(turn_id, (times[(tree, seq)], type_))
-        self._changed.set()
 
     async def _resolve_trees(self) -> None:
         batch, self._by_tree = self._by_tree, {}
@@ -385,13 +357,13 @@ class CompletionWatcher:
         cur = await self._query_conn.execute(
             "SELECT e.tree_id::text, e.seq, e.turn_id::text, e.type FROM yuxi.events e "
             "JOIN unnest(%s::uuid[], %s::bigint[]) AS k(tree_id, after) "
-            "  ON e.tree_id = k.tree_id AND e.seq > k.after",
-            (trees, [self._cursors.get(t, 0) for t in trees]))
+            "  ON e.tree_id = k.tree_id AND e.seq > k.after "
+            "WHERE e.type = ANY(%s)",
+            (trees, [self._cursors.get(t, 0) for t in trees], list(TERMINAL_TURN_EVENTS)))
         self.queries += 1
         for tree, seq, turn_id, type_ in await cur.fetchall():
             self._cursors[tree] = max(seq, self._cursors.get(tree, 0))
-            if type_ in TERMINAL_TURN_EVENTS:
-                self.done.setdefault(turn_id, (batch[tree], type_))
+            self.done.setdefault(turn_id, (batch[tree], type_))
         self._changed.set()
 
     async def wait_for(self, turn_ids: set[str], timeout: float,

@@ -59,15 +59,13 @@ CREATE INDEX agents_app_idx ON yuxi.agents (app_id);
 
 -- A tree is the creation relation of sessions; its id is the root session's id.
 -- The tree row is the lock every transition of the tree takes first: it orders
--- events (next_seq) and guards the shared slots.
+-- events (their seq is taken under it) and guards the shared slots.
 CREATE TABLE yuxi.trees (
     id uuid PRIMARY KEY,
     user_id uuid NOT NULL REFERENCES yuxi.users (id),
     app_id uuid NOT NULL REFERENCES yuxi.apps (id),
-    next_seq bigint NOT NULL DEFAULT 0,
     slot_capacity integer NOT NULL DEFAULT 4,
     created_at timestamptz NOT NULL DEFAULT now(),
-    CONSTRAINT trees_next_seq_not_negative CHECK (next_seq >= 0),
     CONSTRAINT trees_slot_capacity_range CHECK (slot_capacity BETWEEN 1 AND 64),
     CONSTRAINT trees_id_scope_key UNIQUE (id, user_id, app_id)
 );
@@ -243,8 +241,8 @@ CREATE TABLE yuxi.slot_claims (
 );
 CREATE INDEX slot_claims_tree_idx ON yuxi.slot_claims (tree_id);
 
--- Append-only facts clients observe, gap-free per tree (seq from trees.next_seq
--- under the tree row lock). dedupe_key lets a re-executed step (after a crash)
+-- Append-only facts clients observe, gap-free per tree (seq = the tree's last
+-- seq + 1, taken under the tree row lock). dedupe_key lets a re-executed step (after a crash)
 -- report the same fact once.
 CREATE TABLE yuxi.events (
     tree_id uuid NOT NULL,

@@ -27,7 +27,11 @@ END;
 $$;
 
 -- Append an event with the tree's next sequence number and notify listeners
--- with ids only (delivered at commit). A non-null dedupe_key that was already
+-- of the tree (delivered at commit; the payload is the tree id only, so the
+-- events of one transaction make one notification). The number is the tree's
+-- last one + 1, read under the tree row lock that every writer holds until it
+-- commits: numbers are gap-free and commit in order, and the tree row is only
+-- locked, never rewritten, per event. A non-null dedupe_key that was already
 -- recorded in this tree makes this a no-op returning NULL: a step re-executed
 -- after a crash reports its fact once, and no sequence number is skipped.
 CREATE FUNCTION yuxi.emit_event_v1(
@@ -36,28 +40,20 @@ CREATE FUNCTION yuxi.emit_event_v1(
 ) RETURNS bigint
     LANGUAGE plpgsql AS $$
 DECLARE
+    v_tree yuxi.trees;
     v_seq bigint;
-    v_user uuid;
-    v_app uuid;
 BEGIN
-    IF p_dedupe_key IS NOT NULL THEN
-        -- Take the tree lock before looking, so two writers cannot both miss.
-        PERFORM yuxi.lock_tree_v1(p_tree);
-        IF EXISTS (SELECT 1 FROM yuxi.events
-                   WHERE tree_id = p_tree AND dedupe_key = p_dedupe_key) THEN
-            RETURN NULL;
-        END IF;
+    v_tree := yuxi.lock_tree_v1(p_tree);
+    IF p_dedupe_key IS NOT NULL AND EXISTS (
+        SELECT 1 FROM yuxi.events WHERE tree_id = p_tree AND dedupe_key = p_dedupe_key) THEN
+        RETURN NULL;
     END IF;
-    UPDATE yuxi.trees SET next_seq = next_seq + 1 WHERE id = p_tree
-        RETURNING next_seq, user_id, app_id INTO v_seq, v_user, v_app;
-    IF NOT FOUND THEN
-        RAISE EXCEPTION 'tree % not found', p_tree USING ERRCODE = 'YX002';
-    END IF;
+    SELECT coalesce(max(seq), 0) + 1 INTO v_seq FROM yuxi.events WHERE tree_id = p_tree;
     INSERT INTO yuxi.events (tree_id, seq, user_id, app_id, session_id, turn_id, run_id,
                              type, data, dedupe_key)
-    VALUES (p_tree, v_seq, v_user, v_app, p_session, p_turn, p_run,
+    VALUES (p_tree, v_seq, v_tree.user_id, v_tree.app_id, p_session, p_turn, p_run,
             p_type, coalesce(p_data, '{}'), p_dedupe_key);
-    PERFORM pg_notify('yuxi_events', p_tree::text || ' ' || v_seq::text);
+    PERFORM pg_notify('yuxi_events', p_tree::text);
     -- Facts that waits look at wake them in this same transaction.
     IF p_type IN ('turn.completed', 'turn.failed', 'turn.cancelled', 'turn.waiting',
                   'turn.waiting_user', 'message.sent') THEN

@@ -169,6 +169,30 @@ BEGIN
 END;
 $$;
 
+-- receive_input_v1 and the receipt the API answers with, in one statement
+-- (its own transaction): the input, its turn and its place in the queue.
+CREATE FUNCTION yuxi.receive_input_receipt_v1(
+    p_session uuid, p_user uuid, p_app uuid, p_content text, p_mode text,
+    p_overrides jsonb, p_client_request_id text, p_by_user boolean DEFAULT false
+) RETURNS TABLE (id uuid, session_id uuid, status text, turn_id uuid, mode text,
+                 "position" bigint)
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_input uuid;
+BEGIN
+    v_input := yuxi.receive_input_v1(p_session, p_user, p_app, p_content, p_mode,
+                                     p_overrides, p_client_request_id, p_by_user);
+    RETURN QUERY
+    SELECT i.id, i.session_id, i.status, i.turn_id, i.mode,
+           CASE WHEN t.status = 'queued' THEN
+               (SELECT count(*) FROM yuxi.turns q
+                 WHERE q.session_id = i.session_id AND q.status = 'queued' AND q.seq < t.seq) + 1
+           END
+      FROM yuxi.inputs i LEFT JOIN yuxi.turns t ON t.id = i.turn_id
+     WHERE i.id = v_input;
+END;
+$$;
+
 -- Update a session's mutable settings (title, model, approval mode) under the
 -- same advisory lock as receive_input: only inputs received afterwards see it.
 -- p_changes holds only the keys to change.

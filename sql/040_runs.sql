@@ -202,23 +202,32 @@ $$;
 -- deliver it with one more model call. Receiving a steer takes the tree lock
 -- too, so a steer either lands before this check or finds the session idle.
 -- A committed cancel intent wins over the result: the run is cancelled.
+-- p_events ([{type, data, dedupe_key}]) are the run's facts reported with
+-- the completion (the final answer's `message`), recorded first whatever the
+-- outcome: they happened.
 -- With p_next_token, the session's next queued turn, when it gets a slot at
 -- once, is leased to the caller with that token (next_run) instead of being
 -- given a job: one commit and no queue round trip between a session's turns.
 CREATE FUNCTION yuxi.complete_run_v1(
     p_run uuid, p_token uuid, p_output jsonb, p_delivered uuid[] DEFAULT '{}',
     p_next_token uuid DEFAULT NULL, p_lease_seconds double precision DEFAULT NULL,
+    p_events jsonb DEFAULT '[]',
     OUT outcome text, OUT next_run yuxi.leased_run
 )
     LANGUAGE plpgsql AS $$
 DECLARE
     v_run yuxi.runs;
     v_next uuid;
+    v_event jsonb;
 BEGIN
     IF p_next_token IS NOT NULL AND p_lease_seconds IS NULL THEN
         RAISE EXCEPTION 'a next run needs a lease duration' USING ERRCODE = 'YX007';
     END IF;
     v_run := yuxi.fence_run_v1(p_run, p_token);
+    FOR v_event IN SELECT * FROM jsonb_array_elements(coalesce(p_events, '[]')) LOOP
+        PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
+                                   v_event->>'type', v_event->'data', v_event->>'dedupe_key');
+    END LOOP;
     -- A cancel intent committed before this boundary wins over the result.
     IF EXISTS (SELECT 1 FROM yuxi.turns
                WHERE id = v_run.turn_id AND cancel_requested_at IS NOT NULL) THEN

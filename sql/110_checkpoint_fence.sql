@@ -1,8 +1,8 @@
 -- Checkpoint writes of an executing run are fenced by its lease inside
 -- PostgreSQL: the worker marks the connection it lends the run's checkpointer
--- (`yuxi.run_id`, `yuxi.lease_token`, session settings), and every statement
--- writing LangGraph's tables on it first checks the lease (share-locking the
--- run row until the write commits). A worker that lost its lease writes
+-- (`yuxi.run_id`, `yuxi.lease_token`, session settings), and every
+-- transaction writing LangGraph's tables on it first checks the lease
+-- (share-locking the run row until the write commits). A worker that lost its lease writes
 -- nothing; other connections (the API, the cancel cleanup) are not marked.
 
 -- Statement trigger of the checkpoint tables.
@@ -11,9 +11,13 @@ CREATE FUNCTION yuxi.fence_checkpoint_write_v1() RETURNS trigger
 DECLARE
     v_run text := current_setting('yuxi.run_id', true);
 BEGIN
-    IF coalesce(v_run, '') <> '' THEN
+    -- Once per transaction: the first check share-locks the run row until
+    -- the transaction ends, which covers its later statements.
+    IF coalesce(v_run, '') <> ''
+       AND current_setting('yuxi.lease_checked', true) IS DISTINCT FROM v_run THEN
         PERFORM yuxi.check_lease_v1(v_run::uuid,
                                     current_setting('yuxi.lease_token', true)::uuid);
+        PERFORM set_config('yuxi.lease_checked', v_run, true);
     END IF;
     RETURN NULL;
 END;

@@ -76,9 +76,9 @@ LIMIT %(limit)s;
 -- Inputs and turns ---------------------------------------------------------
 
 -- name: receive_input
-SELECT yuxi.receive_input_v1(%(session_id)s, %(user_id)s, %(app_id)s, %(content)s,
-                             %(mode)s, %(overrides)s, %(client_request_id)s,
-                             %(by_user)s) AS input_id;
+SELECT * FROM yuxi.receive_input_receipt_v1(
+    %(session_id)s, %(user_id)s, %(app_id)s, %(content)s, %(mode)s, %(overrides)s,
+    %(client_request_id)s, %(by_user)s);
 
 -- name: get_input
 SELECT i.id, i.session_id, i.status, i.turn_id, i.mode, i.content, i.client_request_id,
@@ -145,7 +145,7 @@ SELECT yuxi.emit_run_event_v1(%(run_id)s, %(token)s, %(type)s, %(data)s, %(dedup
 -- name: complete_run
 SELECT c.outcome, (c.next_run).*
 FROM yuxi.complete_run_v1(%(run_id)s, %(token)s, %(output)s, %(delivered)s,
-                          %(next_token)s, %(lease_seconds)s) c;
+                          %(next_token)s, %(lease_seconds)s, %(events)s) c;
 
 -- name: mark_steers_delivered
 SELECT yuxi.mark_steers_delivered_v1(%(run_id)s, %(token)s, %(input_ids)s) AS marked;

@@ -147,14 +147,15 @@ async def test_recovered_turn_continues_from_its_checkpoint(pool, checkpoint_poo
     run = await runs.start_run(pool, run_id, token, 30)
     async with fenced_saver(checkpoint_pool, run["id"], token) as saver:
         graph, cfg = ex._graph(run, token, saver)
-        output, _ = await exmod.drive(graph, cfg, run)
-    assert output["text"] == "done 1"
+        answer, _ = await exmod.drive(graph, cfg, run)
+    assert answer.text == "done 1"
     await _expire(pool, run_id)
     await runs.recover_expired(pool, max_attempts=3)
     assert await drain(pool, checkpoint_pool) == ["completed"]
     result = await sessions.get_result(pool, alice[1], receipt.turn_id)
     assert result.output["text"] == "done 1"
-    # One message event per AI message and one tool execution: nothing repeated.
+    # One message event per AI message (the final answer's reported by the
+    # recovered run's completion) and one tool execution: nothing repeated.
     counts = await rows(pool, """SELECT type, count(*) AS n FROM yuxi.events
                                  WHERE type IN ('message', 'tool.started') GROUP BY type ORDER BY type""")
     assert counts == [{"type": "message", "n": 2}, {"type": "tool.started", "n": 1}]

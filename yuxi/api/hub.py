@@ -1,6 +1,6 @@
 """One LISTEN connection per API process, fanned out to SSE subscribers.
 
-NOTIFY payloads carry ids only (`<tree id> <seq>`); a woken subscriber re-reads
+NOTIFY payloads carry the tree id only (one per transaction); a woken subscriber re-reads
 the events table after its cursor, so a lost or collapsed notification costs
 latency, never an event. After a (re)connect every subscriber is woken, since
 notifications sent while disconnected are gone.

@@ -188,11 +188,9 @@ async def submit_input(ctx: ToolContext, args: dict[str, Any]) -> Any:
 
     async def perform(conn) -> dict[str, Any]:
         target = await _resolve(conn, ctx, args.get("session"))
-        row = await db.fetch_one(conn, "receive_input", {
+        info = await db.fetch_one(conn, "receive_input", {
             **_scope(ctx).params(), "session_id": target["id"], "content": text, "mode": mode,
             "overrides": Jsonb({}), "client_request_id": None, "by_user": False})
-        info = await db.fetch_one(conn, "get_input", {**_scope(ctx).params(),
-                                                      "id": row["input_id"]})
         return {"input_id": str(info["id"]), "session_id": str(target["id"]),
                 "path": target["path"], "status": info["status"],
                 "turn_id": str(info["turn_id"]) if info["turn_id"] else None,

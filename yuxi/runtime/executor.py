@@ -32,9 +32,23 @@ from yuxi.settings import Settings
 log = logging.getLogger(__name__)
 
 
+def message_event(message: AIMessage) -> tuple[str, dict[str, Any], str]:
+    """The `message` event of a model answer: (type, data, dedupe key suffix)."""
+    return ("message",
+            {"message_id": message.id, "role": "ai", "content": message.content,
+             "tool_calls": [{"id": c["id"], "name": c["name"], "args": c["args"]}
+                            for c in message.tool_calls]},
+            f"message:{message.id}")
+
+
 class EventReporter:
     """Records what the graph does as fenced events. Dedupe keys make a step
-    re-executed after a crash report its fact once."""
+    re-executed after a crash report its fact once.
+
+    A final answer (no tool calls) is not reported here: its `message` event
+    commits with the completion (`RunExecutor` passes it to `complete`), one
+    transaction less per turn; a run recovered after its final checkpoint
+    reports it then."""
 
     def __init__(self, pool: AsyncConnectionPool, run_id: uuid.UUID, token: uuid.UUID,
                  turn_id: uuid.UUID) -> None:
@@ -44,13 +58,8 @@ class EventReporter:
         await runs.emit(self.pool, self.run_id, self.token, type_, data, f"{self.turn_id}:{key}")
 
     async def message(self, message: AIMessage) -> None:
-        await self._emit(
-            "message",
-            {"message_id": message.id, "role": "ai", "content": message.content,
-             "tool_calls": [{"id": c["id"], "name": c["name"], "args": c["args"]}
-                            for c in message.tool_calls]},
-            f"message:{message.id}",
-        )
+        if message.tool_calls:
+            await self._emit(*message_event(message))
 
     async def tool_started(self, call: dict[str, Any]) -> None:
         await self._emit("tool.started", {"call_id": call["id"], "tool": call["name"],
@@ -153,12 +162,12 @@ def input_message(run: dict[str, Any]) -> HumanMessage:
     )
 
 
-def turn_output(messages: list[Any], input_id: str) -> dict[str, Any]:
+def final_answer(messages: list[Any], input_id: str) -> AIMessage:
     """The turn's final answer: the last AI message after its input."""
     start = next(i for i, m in enumerate(messages) if m.id == input_id)
     for message in reversed(messages[start:]):
         if isinstance(message, AIMessage):
-            return {"text": message.text, "message_id": message.id}
+            return message
     raise RuntimeError("the turn ended without an answer")
 
 
@@ -193,12 +202,12 @@ class Suspended(Exception):
 
 async def drive(graph: Any, cfg: dict[str, Any], run: dict[str, Any],
                 extra: list[Any] = (), resume: dict[str, Any] | None = None,
-                ) -> tuple[dict[str, Any], list[uuid.UUID]]:
+                ) -> tuple[AIMessage, list[uuid.UUID]]:
     """Run the graph from wherever the checkpoint says this turn is; `extra`
     messages (late steers) start one more model call of a finished turn;
     `resume` answers the pending interrupt of a suspended one. Returns the
-    turn's output and the steers its conversation holds; raises Suspended
-    when a wait tool interrupted the graph."""
+    turn's final answer and the steers its conversation holds; raises
+    Suspended when a wait tool interrupted the graph."""
     first = input_message(run)
     if run["attempt"] == 1 and not run.get("resume") and not extra:
         # The first run of a turn: its input cannot be in the checkpoint yet
@@ -226,7 +235,7 @@ async def drive(graph: Any, cfg: dict[str, Any], run: dict[str, Any],
     if values.get("__interrupt__"):
         raise Suspended(list(values["__interrupt__"]))
     messages = values["messages"]
-    return turn_output(messages, first.id), delivered_steers(messages, first.id)
+    return final_answer(messages, first.id), delivered_steers(messages, first.id)
 
 
 # A worker goes on with its session's next queued turn (leased to it in the
@@ -353,7 +362,7 @@ class RunExecutor:
         resume = run.get("resume")
         while True:
             try:
-                output, delivered = await drive(graph, cfg, run, extra, resume)
+                answer, delivered = await drive(graph, cfg, run, extra, resume)
             except Suspended as stop:
                 if (ask := stop.user_request()) is not None:
                     await runs.suspend_for_user(self.pool, run["id"], token, *ask)
@@ -367,9 +376,12 @@ class RunExecutor:
                 resume, extra = {"reason": outcome}, []  # ready or cycle: answer at once
                 continue
             next_token = uuid.uuid4() if go_on else None
+            type_, data, key = message_event(answer)
             outcome, following = await runs.complete(
-                self.pool, run["id"], token, output, delivered, next_token=next_token,
-                lease_seconds=self.settings.lease_seconds)
+                self.pool, run["id"], token, {"text": answer.text, "message_id": answer.id},
+                delivered, next_token=next_token, lease_seconds=self.settings.lease_seconds,
+                events=[{"type": type_, "data": data,
+                         "dedupe_key": f"{run['turn_id']}:{key}"}])
             if outcome != "steer":
                 return outcome, (following, next_token) if following else None
             resume = None

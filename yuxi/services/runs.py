@@ -52,11 +52,12 @@ async def emit(
 async def complete(
     pool: AsyncConnectionPool, run_id: uuid.UUID, token: uuid.UUID, output: dict[str, Any],
     delivered: list[uuid.UUID] = (), *, next_token: uuid.UUID | None = None,
-    lease_seconds: float | None = None,
+    lease_seconds: float | None = None, events: list[dict[str, Any]] = (),
 ) -> tuple[str, dict[str, Any] | None]:
     """Complete the run and its turn: 'completed'; 'steer' (nothing changed)
     when the turn took in a steer that is not among `delivered` (deliver it
-    first); 'cancelled' when a cancel intent was committed before.
+    first); 'cancelled' when a cancel intent was committed before. `events`
+    ({type, data, dedupe_key}) are recorded first, whatever the outcome.
 
     With `next_token`, the session's next queued turn, when it gets a slot at
     once, comes back leased with that token (as `start_run` returns it) and
@@ -66,7 +67,7 @@ async def complete(
             conn, "complete_run",
             {"run_id": run_id, "token": token, "output": Jsonb(output),
              "delivered": list(delivered), "next_token": next_token,
-             "lease_seconds": lease_seconds})
+             "lease_seconds": lease_seconds, "events": Jsonb(list(events))})
     outcome = row.pop("outcome")
     return outcome, (row if row["id"] is not None else None)
 

@@ -166,15 +166,14 @@ async def receive_input(
         overrides["model"] = _checked_model(model)
     if approval_mode is not None:
         overrides["approval_mode"] = _checked_approval(approval_mode)
-    async with db.transaction(pool) as conn:
-        row = await db.fetch_one(
+    async with pool.connection() as conn:  # one statement, one transaction
+        info = await db.fetch_one(
             conn,
             "receive_input",
             {**scope.params(), "session_id": session_id, "content": content, "mode": mode,
              "overrides": Jsonb(overrides), "client_request_id": client_request_id,
              "by_user": by_user},
         )
-        info = await db.fetch_one(conn, "get_input", {**scope.params(), "id": row["input_id"]})
     return Receipt(
         input_id=info["id"], session_id=info["session_id"], status=info["status"],
         turn_id=info["turn_id"], mode=info["mode"], position=info["position"],
