@@ -5,16 +5,18 @@
 
 One run, one process tree, one fresh database (dropped and recreated):
 
-(a) system: the real API (uvicorn) and P (default 1) real `procrastinate worker`
-    processes. N turns are submitted over HTTP at once (C requests in flight)
+(a) system: the real API (uvicorn) and P real `procrastinate worker` processes
+    (default: one per core, W concurrent runs each). N turns are submitted over HTTP at once (C requests in flight)
     across S sessions of a one-step replay agent. A turn's latency is the time
     from its 202 receipt (client clock) to the NOTIFY of its `turn.completed`
     event's transaction (same clock: this process LISTENs on `yuxi_events`).
     turns/s = N / (last completion - first submission).
 (b) direct: the same graph (`build_graph`, the same replay model, a no-op
     reporter, a plain AsyncPostgresSaver per invocation) invoked N times in
-    this process on distinct threads, C at a time, `durability="sync"`, after
-    the API and the worker were stopped. runs/s = N / elapsed.
+    this process on S threads like the system's sessions (warm-up included,
+    each thread's turns in order, so histories grow alike), C at a time,
+    `durability="sync"`, after the API and the worker were stopped.
+    runs/s = N / elapsed.
 (c) with --breakdown: the worker's RunExecutor.execute() in this process on N
     ready runs (no Procrastinate, no HTTP), to split the worker's overhead.
 
@@ -51,6 +53,7 @@ import httpx
 import psycopg
 from psycopg import sql
 
+from benchmarks.http1 import Http1Client
 from benchmarks.measure import STATS_SETTLE_SECONDS, CpuSnapshot, DbSnapshot, backend_pids
 
 DEFAULT_URL = "postgresql://postgres@127.0.0.1:5432/yuxi_bench"
@@ -88,10 +91,10 @@ def parse_args(argv: list[str] | None = None) -> Options:
                    help="client-side concurrency (C): HTTP requests in flight for the "
                         "system, graph invocations in flight for direct")
     p.add_argument("--sessions", type=int, default=64, help="sessions the turns spread over (S)")
-    p.add_argument("--worker-concurrency", type=int, default=16,
+    p.add_argument("--worker-concurrency", type=int, default=8,
                    help="YUXI_WORKER_CONCURRENCY of the worker process (W)")
-    p.add_argument("--workers", type=int, default=1,
-                   help="worker processes (P)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help="worker processes (P; default: one per core, as deployed)")
     p.add_argument("--warmup", type=int, default=64,
                    help="uncounted turns/runs first (they also warm every pooled "
                         "connection: catalog caches, PL/pgSQL)")
@@ -405,7 +408,7 @@ class SystemResult:
     background_cores: float = 0.0
 
 
-async def _submit(clients: list[httpx.AsyncClient], jobs: list[tuple[int, str]],
+async def _submit(clients: list[Http1Client], jobs: list[tuple[int, str]],
                   receipts: dict[int, tuple[str, float, float]]) -> None:
     """POST every job's input, one request in flight per client; record
     (turn id, send time, receipt time) per job."""
@@ -413,24 +416,20 @@ async def _submit(clients: list[httpx.AsyncClient], jobs: list[tuple[int, str]],
     for job in jobs:
         queue.put_nowait(job)
 
-    async def one_client(client: httpx.AsyncClient) -> None:
+    async def one_client(client: Http1Client) -> None:
         while True:
             try:
                 i, session_id = queue.get_nowait()
             except asyncio.QueueEmpty:
                 return
             sent = time.perf_counter()
+            # The request id makes a resent request return the same receipt.
             body = {"content": f"turn {i}", "mode": "queue", "client_request_id": f"bench-{i}"}
-            try:
-                r = await client.post(f"/api/sessions/{session_id}/inputs", json=body)
-            except httpx.TransportError:
-                # A kept-alive connection the server closed: the same request
-                # id makes the retry return the same receipt.
-                r = await client.post(f"/api/sessions/{session_id}/inputs", json=body)
+            status, answer = await client.post_json(f"/api/sessions/{session_id}/inputs", body)
             received = time.perf_counter()
-            if r.status_code != 202:
-                raise RuntimeError(f"input {i}: HTTP {r.status_code}: {r.text}")
-            receipts[i] = (r.json()["turn_id"], sent, received)
+            if status != 202:
+                raise RuntimeError(f"input {i}: HTTP {status}: {answer}")
+            receipts[i] = (answer["turn_id"], sent, received)
 
     await asyncio.gather(*(one_client(c) for c in clients[:len(jobs)]))
 
@@ -449,13 +448,12 @@ async def run_system(opts: Options, key: str, agent_id: uuid.UUID,
         workers = [start_worker(opts, env, log_dir, n) for n in range(opts.workers)]
         procs.extend(workers)
         await wait_ready(base, procs)
-        # One client (one connection) per concurrent request: httpx's pool
-        # costs O(connections) per request, which would load this process.
-        limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+        # One client (one kept-alive connection) per concurrent request.
         async with contextlib.AsyncExitStack() as stack:
-            clients = [await stack.enter_async_context(httpx.AsyncClient(
-                base_url=base, limits=limits, timeout=120,
-                headers={"authorization": f"Bearer {key}"})) for _ in range(opts.concurrency)]
+            clients = [Http1Client(base, {"Authorization": f"Bearer {key}"})
+                       for _ in range(opts.concurrency)]
+            for client in clients:
+                stack.push_async_callback(client.aclose)
             sessions = await _create_sessions(clients, agent_id, opts)
             await watcher.start()
 
@@ -514,22 +512,22 @@ async def run_system(opts: Options, key: str, agent_id: uuid.UUID,
         background_cores=background)
 
 
-async def _create_sessions(clients: list[httpx.AsyncClient], agent_id: uuid.UUID,
+async def _create_sessions(clients: list[Http1Client], agent_id: uuid.UUID,
                            opts: Options) -> list[str]:
-    free: asyncio.Queue[httpx.AsyncClient] = asyncio.Queue()
+    free: asyncio.Queue[Http1Client] = asyncio.Queue()
     for c in clients:
         free.put_nowait(c)
 
     async def one(i: int) -> str:
         client = await free.get()
         try:
-            r = await client.post("/api/sessions",
-                                  json={"agent_id": str(agent_id), "title": f"bench {i}"})
+            status, answer = await client.post_json(
+                "/api/sessions", {"agent_id": str(agent_id), "title": f"bench {i}"})
         finally:
             free.put_nowait(client)
-        if r.status_code != 201:
-            raise RuntimeError(f"create session: HTTP {r.status_code}: {r.text}")
-        return r.json()["id"]
+        if status != 201:
+            raise RuntimeError(f"create session: HTTP {status}: {answer}")
+        return answer["id"]
 
     return list(await asyncio.gather(*(one(i) for i in range(opts.sessions))))
 
@@ -627,9 +625,19 @@ async def run_direct(opts: Options) -> DirectResult:
     size = opts.concurrency + 2
     pool = db.checkpoint_pool(opts.url, min_size=size, max_size=size)
     await pool.open(wait=True)
+    # The system's work, thread for session: S threads, turn i (warm-up turn
+    # -1 - j) on thread i mod S (j mod S), each thread's turns in order, so a
+    # run carries the same conversation history as the system's turn does.
+    threads = [str(uuid.uuid4()) for _ in range(opts.sessions)]
+    locks = [asyncio.Lock() for _ in threads]
 
     async def invoke(i: int) -> None:
-        thread_id, run_id = str(uuid.uuid4()), str(uuid.uuid4())
+        t = (i if i >= 0 else -1 - i) % len(threads)
+        async with locks[t]:
+            await invoke_on(threads[t], i)
+
+    async def invoke_on(thread_id: str, i: int) -> None:
+        run_id = str(uuid.uuid4())
         session = {"id": thread_id, "name": "root", "path": "/root", "parent_id": None,
                    "tree_id": thread_id}
         model = build_chat_model(config["model"], config,
@@ -643,7 +651,10 @@ async def run_direct(opts: Options) -> DirectResult:
         cfg = {"configurable": {"thread_id": thread_id},
                "recursion_limit": 2 * int(config["max_steps"]) + 2}
         out = await graph.ainvoke(
-            {"messages": [HumanMessage(content=f"turn {i}", id=f"input:{uuid.uuid4()}")]},
+            {"messages": [HumanMessage(
+                content=f"turn {i}", id=f"input:{uuid.uuid4()}",
+                # The worker's turn marker (yuxi.runtime.executor.input_message).
+                additional_kwargs={"yuxi": {"turn_start": True}})]},
             cfg, durability="sync")
         last = out["messages"][-1]
         if not isinstance(last, AIMessage) or last.text != f"ok turn {i}":

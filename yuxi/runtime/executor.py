@@ -272,8 +272,8 @@ class RunExecutor:
                 outcome, following = await self._execute_leased(run, token, conn, left > 0)
                 if following is None:
                     return outcome
-                log.info("run %s: %s; going on with run %s", run["id"], outcome,
-                         following[0]["id"])
+                log.debug("run %s: %s; going on with run %s", run["id"], outcome,
+                          following[0]["id"])
                 run, token = following
         raise AssertionError("unreachable: the last turn is never continued")
 
