@@ -1,22 +1,25 @@
 """Throughput of the whole system versus the bare LangGraph graph.
 
     python -m benchmarks.run [--turns N] [--concurrency C] [--sessions S]
-                             [--worker-concurrency W] [--workers P] [--database-url URL]
+                             [--worker-concurrency W] [--workers P] [--rounds R]
+                             [--database-url URL]
 
 One run, one process tree, one fresh database (dropped and recreated):
 
 (a) system: the real API (uvicorn) and P real `procrastinate worker` processes
-    (default: one per core, W concurrent runs each). N turns are submitted over HTTP at once (C requests in flight)
-    across S sessions of a one-step replay agent. A turn's latency is the time
+    (default: one per core, W concurrent runs each). R rounds: each submits N
+    turns over HTTP at once (C requests in flight) across S sessions of a
+    one-step replay agent and waits for them. A turn's latency is the time
     from its 202 receipt (client clock) to the NOTIFY of its `turn.completed`
     event's transaction (same clock: this process LISTENs on `yuxi_events`).
-    turns/s = N / (last completion - first submission).
+    A round's turns/s = N / (its last completion - its first submission);
+    the phase's rate is the median of its rounds.
 (b) direct: the same graph (`build_graph`, the same replay model, a no-op
-    reporter, a plain AsyncPostgresSaver per invocation) invoked N times in
-    this process on S threads like the system's sessions (warm-up included,
-    each thread's turns in order, so histories grow alike), C at a time,
-    `durability="sync"`, after the API and the worker were stopped.
-    runs/s = N / elapsed.
+    reporter, a plain AsyncPostgresSaver per invocation) invoked R x N times
+    in this process on S threads like the system's sessions (warm-up
+    included, each thread's turns in order, so histories grow alike), C at a
+    time, `durability="sync"`, after the API and the worker were stopped.
+    A round's runs/s = N / its elapsed time; the median of the rounds.
 (c) with --breakdown: the worker's RunExecutor.execute() in this process on N
     ready runs (no Procrastinate, no HTTP), to split the worker's overhead.
 
@@ -40,6 +43,7 @@ import math
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -76,6 +80,7 @@ class Options:
     sessions: int
     worker_concurrency: int
     workers: int
+    rounds: int
     warmup: int
     timeout: float
     profile_dir: Path | None
@@ -95,6 +100,9 @@ def parse_args(argv: list[str] | None = None) -> Options:
                    help="YUXI_WORKER_CONCURRENCY of the worker process (W)")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                    help="worker processes (P; default: one per core, as deployed)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="measured rounds of N per phase (R); a phase's rate is the "
+                        "median of its rounds (this machine varies by ~10%% run to run)")
     p.add_argument("--warmup", type=int, default=64,
                    help="uncounted turns/runs first (they also warm every pooled "
                         "connection: catalog caches, PL/pgSQL)")
@@ -114,14 +122,14 @@ def parse_args(argv: list[str] | None = None) -> Options:
     p.add_argument("--keep-logs", action="store_true",
                    help="keep the subprocess logs even when everything went well")
     a = p.parse_args(argv)
-    for name in ("turns", "concurrency", "sessions", "worker_concurrency", "workers"):
+    for name in ("turns", "concurrency", "sessions", "worker_concurrency", "workers", "rounds"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if a.warmup < 0:
         p.error("--warmup must not be negative")
     return Options(url=a.database_url, turns=a.turns, concurrency=a.concurrency,
                    sessions=a.sessions, worker_concurrency=a.worker_concurrency,
-                   workers=a.workers,
+                   workers=a.workers, rounds=a.rounds,
                    warmup=a.warmup, timeout=a.timeout, profile_dir=a.profile,
                    keep_logs=a.keep_logs, breakdown=a.breakdown)
 
@@ -395,8 +403,9 @@ class CompletionWatcher:
 
 @dataclass
 class SystemResult:
-    turns: int
-    elapsed: float
+    turns: int  # over all rounds
+    elapsed: float  # of all rounds
+    round_rates: list[float]  # turns/s of each round
     latencies_ms: list[float]
     failed: int
     early: int  # completions observed before their receipt (latency clamped to 0)
@@ -473,13 +482,22 @@ async def run_system(opts: Options, key: str, agent_id: uuid.UUID,
             cpu_before = CpuSnapshot.take(pids, await backend_pids(opts.url))
 
             receipts = {}
-            jobs = [(i, sessions[i % len(sessions)]) for i in range(opts.turns)]
+            round_rates: list[float] = []
             profiler = _start_profiler(opts)
             start = time.perf_counter()
-            await _submit(clients, jobs, receipts)
-            submit_elapsed = time.perf_counter() - start
+            for r in range(opts.rounds):
+                jobs = [(i, sessions[i % len(sessions)])
+                        for i in range(r * opts.turns, (r + 1) * opts.turns)]
+                round_receipts: dict[int, tuple[str, float, float]] = {}
+                began = time.perf_counter()
+                await _submit(clients, jobs, round_receipts)
+                if r == 0:
+                    submit_elapsed = time.perf_counter() - began
+                ids = {v[0] for v in round_receipts.values()}
+                await watcher.wait_for(ids, opts.timeout, procs)
+                round_rates.append(opts.turns / (max(watcher.done[t][0] for t in ids) - began))
+                receipts.update(round_receipts)
             turn_ids = {r[0] for r in receipts.values()}
-            await watcher.wait_for(turn_ids, opts.timeout, procs)
             _stop_profiler(profiler, opts, "client")
             backends = await backend_pids(opts.url)
             cpu = CpuSnapshot.take(pids, backends).minus(cpu_before)
@@ -505,7 +523,8 @@ async def run_system(opts: Options, key: str, agent_id: uuid.UUID,
             early += 1
         latencies.append(max(0.0, done_at - received) * 1000)
     return SystemResult(
-        turns=opts.turns, elapsed=end - start, latencies_ms=latencies, failed=failed,
+        turns=len(receipts), elapsed=end - start, round_rates=round_rates,
+        latencies_ms=latencies, failed=failed,
         early=early, submit_elapsed=submit_elapsed,
         receipt_ms=[(r[2] - r[1]) * 1000 for r in receipts.values()],
         cpu=cpu, db=db, worker_concurrency=opts.worker_concurrency,
@@ -550,8 +569,9 @@ class NoopReporter:
 @dataclass
 class DirectResult:
     """An in-process phase: the direct graph, or (--breakdown) RunExecutor."""
-    runs: int
-    elapsed: float
+    runs: int  # over all rounds
+    elapsed: float  # of all rounds
+    round_rates: list[float]  # runs/s of each round
     latencies_ms: list[float]
     cpu: CpuSnapshot | None = None
     db: DbSnapshot | None = None
@@ -580,11 +600,11 @@ async def run_concurrently(indexes: list[int], concurrency: int, fn: Any) -> lis
 
 
 async def measured(opts: Options, name: str, fn: Any, warmup: list[int],
-                   work: list[int]) -> DirectResult:
-    """Run the warm-up, let the counters settle, then run `work` measuring
-    time, this process's CPU and the database's counters. The caller's pools
-    must be closed by `fn`'s owner before the counters are read: pass them
-    through `closing`."""
+                   rounds: list[list[int]]) -> DirectResult:
+    """Run the warm-up, let the counters settle, then run each round of work
+    measuring time, this process's CPU and the database's counters. The
+    caller's pools must be closed by `fn`'s owner before the counters are
+    read: pass them through `closing`."""
     await run_concurrently(warmup, opts.concurrency, fn)
     background = await settle()
     db_before = await DbSnapshot.take(opts.url)
@@ -592,12 +612,18 @@ async def measured(opts: Options, name: str, fn: Any, warmup: list[int],
     cpu_before = CpuSnapshot.take(pids, await backend_pids(opts.url))
     profiler = _start_profiler(opts)
     start = time.perf_counter()
-    latencies = await asyncio.wait_for(run_concurrently(work, opts.concurrency, fn),
-                                       opts.timeout)
+    latencies: list[float] = []
+    round_rates: list[float] = []
+    for work in rounds:
+        began = time.perf_counter()
+        latencies += await asyncio.wait_for(run_concurrently(work, opts.concurrency, fn),
+                                            opts.timeout)
+        round_rates.append(len(work) / (time.perf_counter() - began))
     elapsed = time.perf_counter() - start
     _stop_profiler(profiler, opts, name)
     cpu = CpuSnapshot.take(pids, await backend_pids(opts.url)).minus(cpu_before)
-    return DirectResult(runs=len(work), elapsed=elapsed, latencies_ms=latencies, cpu=cpu,
+    return DirectResult(runs=sum(len(w) for w in rounds), elapsed=elapsed,
+                        round_rates=round_rates, latencies_ms=latencies, cpu=cpu,
                         db=db_before, background_cores=background)
 
 
@@ -661,8 +687,9 @@ async def run_direct(opts: Options) -> DirectResult:
             raise RuntimeError(f"direct run {i}: unexpected answer {last!r}")
 
     try:
-        result = await measured(opts, "direct", invoke,
-                                [-1 - i for i in range(opts.warmup)], list(range(opts.turns)))
+        result = await measured(
+            opts, "direct", invoke, [-1 - i for i in range(opts.warmup)],
+            [list(range(r * opts.turns, (r + 1) * opts.turns)) for r in range(opts.rounds)])
     finally:
         await pool.close()
     return await _finish_db_stats(opts, result)
@@ -711,7 +738,7 @@ async def run_executor(opts: Options, scope: Any, agent_id: uuid.UUID) -> Direct
             await conn.execute("DELETE FROM procrastinate_jobs "
                                "WHERE task_name = 'execute_run' AND status = 'todo'")
         result = await measured(opts, "executor", execute, [i for i in indexes if i < 0],
-                                [i for i in indexes if i >= 0])
+                                [[i for i in indexes if i >= 0]])
     finally:
         await pool.close()
         await checkpoints.close()
@@ -720,6 +747,11 @@ async def run_executor(opts: Options, scope: Any, agent_id: uuid.UUID) -> Direct
 
 # --------------------------------------------------------------------------
 # Report
+
+
+def _rounds(rates: list[float]) -> str:
+    return f"{len(rates)} round{'s' if len(rates) > 1 else ''} (" + \
+        ", ".join(f"{r:.1f}" for r in rates) + ")"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -774,8 +806,8 @@ def _db_lines(db: DbSnapshot, n: int, unit: str, max_functions: int = 12) -> lis
 
 def report(opts: Options, system: SystemResult, direct: DirectResult,
            executor: DirectResult | None = None) -> str:
-    system_rate = system.turns / system.elapsed
-    direct_rate = direct.runs / direct.elapsed
+    system_rate = statistics.median(system.round_rates)
+    direct_rate = statistics.median(direct.round_rates)
     ratio = system_rate / direct_rate
     p50 = percentile(system.latencies_ms, 50)
     p99 = percentile(system.latencies_ms, 99)
@@ -789,8 +821,9 @@ def report(opts: Options, system: SystemResult, direct: DirectResult,
         "",
         f"(a) system: API + {opts.workers} worker process{'es' if opts.workers > 1 else ''}, "
         "HTTP submissions, completion by NOTIFY",
-        f"  {system_rate:.1f} turns/s  ({system.turns} turns in {system.elapsed:.2f} s; "
-        f"all {system.turns} submitted in {system.submit_elapsed:.2f} s)",
+        f"  {system_rate:.1f} turns/s, the median of {_rounds(system.round_rates)}  "
+        f"({system.turns} turns in {system.elapsed:.2f} s; the {opts.turns} of round 1 "
+        f"submitted in {system.submit_elapsed:.2f} s)",
         f"  receipt-to-result latency ms: p50 {p50:.0f}  p90 "
         f"{percentile(system.latencies_ms, 90):.0f}  p99 {p99:.0f}  max "
         f"{max(system.latencies_ms):.0f}",
@@ -810,7 +843,8 @@ def report(opts: Options, system: SystemResult, direct: DirectResult,
     lines += [
         "",
         "(b) direct: the same graph + AsyncPostgresSaver in one process",
-        f"  {direct_rate:.1f} runs/s  ({direct.runs} runs in {direct.elapsed:.2f} s)  "
+        f"  {direct_rate:.1f} runs/s, the median of {_rounds(direct.round_rates)}  "
+        f"({direct.runs} runs in {direct.elapsed:.2f} s)  "
         f"invocation ms: p50 {percentile(direct.latencies_ms, 50):.0f}  "
         f"p99 {percentile(direct.latencies_ms, 99):.0f}",
     ]

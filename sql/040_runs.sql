@@ -37,8 +37,11 @@ $$;
 
 -- Take the lease of a ready run: it becomes running with a fresh token.
 -- Returns NULL when the run is not ready (a duplicate or stale job), so the
--- caller simply stops.
-CREATE FUNCTION yuxi.start_run_v1(p_run uuid, p_token uuid, p_lease_seconds double precision)
+-- caller simply stops. p_mark: the caller's connection is the one its
+-- checkpointer writes on; it is marked with the lease in this transaction
+-- (sql/110_checkpoint_fence.sql), which saves the worker a round trip.
+CREATE FUNCTION yuxi.start_run_v1(p_run uuid, p_token uuid, p_lease_seconds double precision,
+                                  p_mark boolean DEFAULT false)
 RETURNS yuxi.leased_run
     LANGUAGE plpgsql AS $$
 DECLARE
@@ -59,6 +62,10 @@ BEGIN
     END IF;
     PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
                                'run.started', jsonb_build_object('attempt', v_run.attempt));
+    IF p_mark THEN
+        PERFORM set_config('yuxi.run_id', p_run::text, false),
+                set_config('yuxi.lease_token', p_token::text, false);
+    END IF;
     RETURN yuxi.leased_run_v1(p_run);
 END;
 $$;
@@ -207,11 +214,12 @@ $$;
 -- outcome: they happened.
 -- With p_next_token, the session's next queued turn, when it gets a slot at
 -- once, is leased to the caller with that token (next_run) instead of being
--- given a job: one commit and no queue round trip between a session's turns.
+-- given a job: one commit and no queue round trip between a session's turns;
+-- p_mark marks the caller's connection with its lease (as in start_run_v1).
 CREATE FUNCTION yuxi.complete_run_v1(
     p_run uuid, p_token uuid, p_output jsonb, p_delivered uuid[] DEFAULT '{}',
     p_next_token uuid DEFAULT NULL, p_lease_seconds double precision DEFAULT NULL,
-    p_events jsonb DEFAULT '[]',
+    p_events jsonb DEFAULT '[]', p_mark boolean DEFAULT false,
     OUT outcome text, OUT next_run yuxi.leased_run
 )
     LANGUAGE plpgsql AS $$
@@ -247,7 +255,7 @@ BEGIN
                                'run.completed', '{}');
     v_next := yuxi.finish_turn_v1(p_run, 'completed', NULL, p_next_token IS NOT NULL);
     IF v_next IS NOT NULL THEN
-        next_run := yuxi.start_run_v1(v_next, p_next_token, p_lease_seconds);
+        next_run := yuxi.start_run_v1(v_next, p_next_token, p_lease_seconds, p_mark);
     END IF;
     outcome := 'completed';
 END;

@@ -131,7 +131,8 @@ LIMIT %(limit)s;
 -- Runs (worker side) -------------------------------------------------------
 
 -- name: start_run
-SELECT * FROM yuxi.start_run_v1(%(run_id)s, %(token)s, %(lease_seconds)s) WHERE id IS NOT NULL;
+SELECT * FROM yuxi.start_run_v1(%(run_id)s, %(token)s, %(lease_seconds)s, %(mark)s)
+WHERE id IS NOT NULL;
 
 -- name: heartbeat_run
 SELECT yuxi.heartbeat_run_v1(%(run_id)s, %(token)s, %(lease_seconds)s) AS held;
@@ -145,7 +146,7 @@ SELECT yuxi.emit_run_event_v1(%(run_id)s, %(token)s, %(type)s, %(data)s, %(dedup
 -- name: complete_run
 SELECT c.outcome, (c.next_run).*
 FROM yuxi.complete_run_v1(%(run_id)s, %(token)s, %(output)s, %(delivered)s,
-                          %(next_token)s, %(lease_seconds)s, %(events)s) c;
+                          %(next_token)s, %(lease_seconds)s, %(events)s, %(mark)s) c;
 
 -- name: mark_steers_delivered
 SELECT yuxi.mark_steers_delivered_v1(%(run_id)s, %(token)s, %(input_ids)s) AS marked;

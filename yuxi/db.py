@@ -105,6 +105,18 @@ async def execute(conn: psycopg.AsyncConnection, query: str, params: Any = None)
 
 
 @contextlib.asynccontextmanager
+async def connection(
+    source: AsyncConnectionPool | psycopg.AsyncConnection,
+) -> AsyncIterator[psycopg.AsyncConnection]:
+    """A connection of a pool, or the connection the caller holds."""
+    if isinstance(source, AsyncConnectionPool):
+        async with source.connection() as conn:
+            yield conn
+    else:
+        yield source
+
+
+@contextlib.asynccontextmanager
 async def transaction(pool: AsyncConnectionPool) -> AsyncIterator[psycopg.AsyncConnection]:
     """One connection and one transaction: a service call's unit of work."""
     async with pool.connection() as conn, conn.transaction():

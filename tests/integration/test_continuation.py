@@ -7,6 +7,7 @@ from __future__ import annotations
 import uuid
 
 from tests.integration.helpers import events, executor, new_session, rows, runs_with_status, scalar, say_agent
+from yuxi.runtime.saver import checkpoint_connection
 from yuxi.services import runs, sessions
 
 
@@ -115,3 +116,42 @@ async def test_the_next_turn_never_jumps_the_tree_fifo(pool, checkpoint_pool, al
     (waiting,) = await runs_with_status(pool, "pending")
     assert await scalar(pool, "SELECT turn_id FROM yuxi.runs WHERE id = %s",
                         (waiting,)) == receipts[1].turn_id
+
+
+async def _marks(conn) -> tuple[str, str]:
+    cur = await conn.execute("SELECT current_setting('yuxi.run_id', true) AS run, "
+                             "current_setting('yuxi.lease_token', true) AS token")
+    row = await cur.fetchone()
+    return row["run"] or "", row["token"] or ""
+
+
+async def test_start_and_hand_over_mark_the_checkpoint_connection(
+        pool, checkpoint_pool, alice):
+    # The lease and the checkpointer's fence mark commit together: the worker
+    # needs no separate round trip, and the connection always carries the
+    # lease of the run it writes for.
+    scope = alice[1]
+    session, receipts = await _queued(pool, scope, 2)
+    (first,) = await runs_with_status(pool, "ready")
+    token, next_token = uuid.uuid4(), uuid.uuid4()
+    async with checkpoint_connection(checkpoint_pool) as conn:
+        assert await _marks(conn) == ("", "")
+        assert await runs.start_run(conn, first, token, 30, mark=True) is not None
+        assert await _marks(conn) == (str(first), str(token))
+        _, following = await runs.complete(conn, first, token, {"text": "one"}, mark=True,
+                                           next_token=next_token, lease_seconds=30)
+        assert await _marks(conn) == (str(following["id"]), str(next_token))
+    async with checkpoint_pool.connection() as conn:
+        assert await _marks(conn) == ("", "")  # handed back unmarked
+
+
+async def test_without_mark_the_connection_keeps_no_lease(pool, checkpoint_pool, alice):
+    # Negative case: a lease taken without `mark` leaves the connection as it
+    # was; the fence triggers then see no run (see test_leases for what a
+    # marked connection refuses).
+    scope = alice[1]
+    session, receipts = await _queued(pool, scope, 1)
+    (first,) = await runs_with_status(pool, "ready")
+    async with checkpoint_connection(checkpoint_pool) as conn:
+        assert await runs.start_run(conn, first, uuid.uuid4(), 30) is not None
+        assert await _marks(conn) == ("", "")

@@ -17,13 +17,14 @@ from typing import Any
 import psycopg
 
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 from langgraph.types import Command
 from psycopg_pool import AsyncConnectionPool
 
 from yuxi.errors import LeaseLost, YuxiError
 from yuxi.runtime.graph import build_graph
 from yuxi.runtime.models import build_chat_model
-from yuxi.runtime.saver import checkpoint_connection, mark
+from yuxi.runtime.saver import checkpoint_connection
 from yuxi.runtime import cooperation, questions, sandbox_tools  # noqa: F401  (tool registration)
 from yuxi.runtime.tools import ToolContext, available_tools
 from yuxi.services import resources, runs, sandbox
@@ -263,11 +264,13 @@ class RunExecutor:
         completed, suspended, cancelled, failed, or lease_lost (then the worker
         changed nothing)."""
         token = uuid.uuid4()
-        run = await runs.start_run(self.pool, run_id, token, self.settings.lease_seconds)
-        if run is None:
-            return "skipped"
-        # One checkpoint connection for the job's runs, marked for each.
+        # One checkpoint connection for the job's runs: taking a lease on it
+        # marks it for the checkpointer (start_run_v1, complete_run_v1).
         async with checkpoint_connection(self.checkpoint_pool) as conn:
+            run = await runs.start_run(conn, run_id, token, self.settings.lease_seconds,
+                                       mark=True)
+            if run is None:
+                return "skipped"
             for left in range(self.max_continued_turns, -1, -1):
                 outcome, following = await self._execute_leased(run, token, conn, left > 0)
                 if following is None:
@@ -348,8 +351,10 @@ class RunExecutor:
             box = await sandbox.claim(self.pool, self.settings.data_dir, run["id"], token,
                                       run["tree_id"])
         try:
-            saver = await mark(conn, run["id"], token)
-            return await self._drive_turn(run, token, visible, box, saver, go_on)
+            # `conn` is marked with this run's lease (by its start or by the
+            # completion that handed it over).
+            return await self._drive_turn(run, token, visible, box, AsyncPostgresSaver(conn),
+                                          go_on)
         finally:
             if box is not None:
                 await sandbox.touch(self.pool, run["tree_id"])
@@ -377,11 +382,13 @@ class RunExecutor:
                 continue
             next_token = uuid.uuid4() if go_on else None
             type_, data, key = message_event(answer)
+            # On the checkpoint connection: nothing else uses it now, and a
+            # handed-over run's mark goes with the same transaction.
             outcome, following = await runs.complete(
-                self.pool, run["id"], token, {"text": answer.text, "message_id": answer.id},
+                saver.conn, run["id"], token, {"text": answer.text, "message_id": answer.id},
                 delivered, next_token=next_token, lease_seconds=self.settings.lease_seconds,
                 events=[{"type": type_, "data": data,
-                         "dedupe_key": f"{run['turn_id']}:{key}"}])
+                         "dedupe_key": f"{run['turn_id']}:{key}"}], mark=True)
             if outcome != "steer":
                 return outcome, (following, next_token) if following else None
             resume = None

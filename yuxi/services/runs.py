@@ -7,6 +7,7 @@ import datetime as dt
 import uuid
 from typing import Any
 
+from psycopg import AsyncConnection
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
@@ -14,14 +15,16 @@ from yuxi import db
 
 
 async def start_run(
-    pool: AsyncConnectionPool, run_id: uuid.UUID, token: uuid.UUID, lease_seconds: float
+    source: AsyncConnectionPool | AsyncConnection, run_id: uuid.UUID, token: uuid.UUID,
+    lease_seconds: float, *, mark: bool = False,
 ) -> dict[str, Any] | None:
     """Take the lease of a ready run; None when the run is not ready (a stale
-    or duplicate job)."""
-    async with pool.connection() as conn:
+    or duplicate job). `mark`: `source` is the run's checkpoint connection,
+    marked with the lease in the same transaction."""
+    async with db.connection(source) as conn:
         return await db.fetch_one(
             conn, "start_run",
-            {"run_id": run_id, "token": token, "lease_seconds": lease_seconds},
+            {"run_id": run_id, "token": token, "lease_seconds": lease_seconds, "mark": mark},
         )
 
 
@@ -50,9 +53,10 @@ async def emit(
 
 
 async def complete(
-    pool: AsyncConnectionPool, run_id: uuid.UUID, token: uuid.UUID, output: dict[str, Any],
-    delivered: list[uuid.UUID] = (), *, next_token: uuid.UUID | None = None,
-    lease_seconds: float | None = None, events: list[dict[str, Any]] = (),
+    source: AsyncConnectionPool | AsyncConnection, run_id: uuid.UUID, token: uuid.UUID,
+    output: dict[str, Any], delivered: list[uuid.UUID] = (), *,
+    next_token: uuid.UUID | None = None, lease_seconds: float | None = None,
+    events: list[dict[str, Any]] = (), mark: bool = False,
 ) -> tuple[str, dict[str, Any] | None]:
     """Complete the run and its turn: 'completed'; 'steer' (nothing changed)
     when the turn took in a steer that is not among `delivered` (deliver it
@@ -61,13 +65,13 @@ async def complete(
 
     With `next_token`, the session's next queued turn, when it gets a slot at
     once, comes back leased with that token (as `start_run` returns it) and
-    gets no job: the caller must execute it."""
-    async with pool.connection() as conn:
+    gets no job: the caller must execute it (`mark`: as in `start_run`)."""
+    async with db.connection(source) as conn:
         row = await db.fetch_one(
             conn, "complete_run",
             {"run_id": run_id, "token": token, "output": Jsonb(output),
              "delivered": list(delivered), "next_token": next_token,
-             "lease_seconds": lease_seconds, "events": Jsonb(list(events))})
+             "lease_seconds": lease_seconds, "events": Jsonb(list(events)), "mark": mark})
     outcome = row.pop("outcome")
     return outcome, (row if row["id"] is not None else None)
 
