@@ -182,8 +182,10 @@ CREATE INDEX turns_session_seq_idx ON yuxi.turns (session_id, seq);
 CREATE INDEX turns_queued_idx ON yuxi.turns (session_id, seq) WHERE status = 'queued';
 
 ALTER TABLE yuxi.turns ADD CONSTRAINT turns_id_session_key UNIQUE (id, session_id);
+-- Deferred: an input is written with its turn id, just before its turn's row.
 ALTER TABLE yuxi.inputs ADD CONSTRAINT inputs_turn_same_session_fk
-    FOREIGN KEY (turn_id, session_id) REFERENCES yuxi.turns (id, session_id);
+    FOREIGN KEY (turn_id, session_id) REFERENCES yuxi.turns (id, session_id)
+    DEFERRABLE INITIALLY DEFERRED;
 
 -- A run is one execution segment of a turn. lease_token fences every write of
 -- the worker executing it; slot_seq is its place in the tree's slot FIFO.
@@ -225,7 +227,8 @@ CREATE UNIQUE INDEX runs_one_live_per_session ON yuxi.runs (session_id)
 CREATE INDEX runs_pending_fifo_idx ON yuxi.runs (tree_id, slot_seq) WHERE status = 'pending';
 CREATE INDEX runs_lease_idx ON yuxi.runs (lease_expires_at) WHERE status = 'running';
 CREATE INDEX runs_ready_idx ON yuxi.runs (created_at) WHERE status = 'ready';
-CREATE INDEX runs_turn_idx ON yuxi.runs (turn_id, session_id, tree_id, user_id, app_id);
+-- A turn's runs (turns are never deleted: no wider FK-support index needed).
+CREATE INDEX runs_turn_idx ON yuxi.runs (turn_id);
 
 ALTER TABLE yuxi.turns ADD CONSTRAINT turns_result_run_same_turn_fk
     FOREIGN KEY (result_run_id, id) REFERENCES yuxi.runs (id, turn_id);
@@ -265,4 +268,6 @@ CREATE TABLE yuxi.events (
 );
 CREATE UNIQUE INDEX events_dedupe_idx ON yuxi.events (tree_id, dedupe_key)
     WHERE dedupe_key IS NOT NULL;
-CREATE INDEX events_session_idx ON yuxi.events (session_id, tree_id, user_id, app_id);
+-- No FK-support index on (session_id, ...): sessions are never deleted, and a
+-- session's events are read through the primary key (tree_id, seq); one index
+-- less to maintain on the table written most.

@@ -14,11 +14,18 @@ AS $$
     )::procrastinate_job_to_defer_v1]))[1];
 $$;
 
+-- A run of the tree that is being created can have a slot at once: one is
+-- free and no run waits in the tree's FIFO. The caller holds the tree lock.
+CREATE FUNCTION yuxi.slot_free_v1(p_tree yuxi.trees) RETURNS boolean
+    LANGUAGE sql STABLE AS $$
+    SELECT (SELECT count(*) FROM yuxi.slot_claims WHERE tree_id = p_tree.id) < p_tree.slot_capacity
+       AND NOT EXISTS (SELECT 1 FROM yuxi.runs WHERE tree_id = p_tree.id AND status = 'pending');
+$$;
+
 -- Give a slot to a pending run if the tree has one free and no older run is
--- waiting; the run becomes ready and its job is deferred (unless p_defer is
--- false: then the caller starts the run in this transaction). Returns true
--- when the slot was taken; otherwise the run stays pending in the FIFO.
-CREATE FUNCTION yuxi.claim_slot_v1(p_run uuid, p_defer boolean DEFAULT true) RETURNS boolean
+-- waiting; the run becomes ready and its job is deferred. Returns true when
+-- the slot was taken; otherwise the run stays pending in the FIFO.
+CREATE FUNCTION yuxi.claim_slot_v1(p_run uuid) RETURNS boolean
     LANGUAGE plpgsql AS $$
 DECLARE
     v_run yuxi.runs;
@@ -42,9 +49,7 @@ BEGIN
     END IF;
     INSERT INTO yuxi.slot_claims (run_id, tree_id) VALUES (p_run, v_run.tree_id);
     UPDATE yuxi.runs SET status = 'ready' WHERE id = p_run;
-    IF p_defer THEN
-        PERFORM yuxi.defer_run_job_v1(p_run);
-    END IF;
+    PERFORM yuxi.defer_run_job_v1(p_run);
     RETURN true;
 END;
 $$;

@@ -46,23 +46,27 @@ $$;
 
 -- Start the session's oldest queued turn if nothing is in flight and its
 -- queue is not paused: the turn runs, its first run is created with the
--- input's frozen config and claims a slot (or waits in the tree FIFO).
--- Returns the started turn's id or NULL. Caller holds the tree lock or not;
--- it is taken here first either way. p_defer: as in claim_slot_v1.
+-- input's frozen config, ready with a slot and a job when the tree has a slot
+-- free and no run waiting (as claim_slot_v1 would decide, written once), else
+-- pending in the tree FIFO. With p_defer false the ready run gets no job: the
+-- caller starts it in this transaction. Returns the started turn's id or
+-- NULL. Caller holds the tree lock or not; it is taken here first either way.
 CREATE FUNCTION yuxi.start_next_turn_v1(p_session uuid, p_defer boolean DEFAULT true)
 RETURNS uuid
     LANGUAGE plpgsql AS $$
 DECLARE
     v_session yuxi.sessions;
+    v_tree yuxi.trees;
     v_turn yuxi.turns;
     v_snapshot jsonb;
     v_run uuid;
+    v_ready boolean;
 BEGIN
     SELECT * INTO v_session FROM yuxi.sessions WHERE id = p_session;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'session % not found', p_session USING ERRCODE = 'YX002';
     END IF;
-    PERFORM yuxi.lock_tree_v1(v_session.tree_id);
+    v_tree := yuxi.lock_tree_v1(v_session.tree_id);
     SELECT queue_paused INTO v_session.queue_paused FROM yuxi.sessions WHERE id = p_session;
     IF v_session.queue_paused OR EXISTS (
         SELECT 1 FROM yuxi.turns WHERE session_id = p_session
@@ -79,12 +83,20 @@ BEGIN
     UPDATE yuxi.inputs SET status = 'started', started_at = now()
         WHERE id = v_turn.input_id
         RETURNING context_snapshot INTO v_snapshot;
-    INSERT INTO yuxi.runs (turn_id, session_id, tree_id, user_id, app_id, config)
-    VALUES (v_turn.id, p_session, v_turn.tree_id, v_turn.user_id, v_turn.app_id, v_snapshot)
+    -- Written in its final state: one row version instead of pending, ready.
+    v_ready := yuxi.slot_free_v1(v_tree);
+    INSERT INTO yuxi.runs (turn_id, session_id, tree_id, user_id, app_id, config, status)
+    VALUES (v_turn.id, p_session, v_turn.tree_id, v_turn.user_id, v_turn.app_id, v_snapshot,
+            CASE WHEN v_ready THEN 'ready' ELSE 'pending' END)
     RETURNING id INTO v_run;
+    IF v_ready THEN
+        INSERT INTO yuxi.slot_claims (run_id, tree_id) VALUES (v_run, v_turn.tree_id);
+        IF p_defer THEN
+            PERFORM yuxi.defer_run_job_v1(v_run);
+        END IF;
+    END IF;
     PERFORM yuxi.emit_event_v1(v_turn.tree_id, p_session, v_turn.id, v_run, 'turn.started',
                                jsonb_build_object('input_id', v_turn.input_id));
-    PERFORM yuxi.claim_slot_v1(v_run, p_defer);
     RETURN v_turn.id;
 END;
 $$;
@@ -107,6 +119,7 @@ DECLARE
     v_active yuxi.turns;
     v_input uuid;
     v_turn uuid;
+    v_steer boolean;
 BEGIN
     v_session := yuxi.scoped_session_v1(p_session, p_user, p_app);
     PERFORM pg_advisory_xact_lock(yuxi.session_lock_key_v1(p_session));
@@ -141,13 +154,17 @@ BEGIN
                                    jsonb_build_object('session_id', p_session,
                                                       'path', v_session.path, 'mode', p_mode));
     END IF;
+    -- The input is written with its turn (the turn's row follows: the FK to
+    -- it is checked at commit): a steer joins the turn in flight, anything
+    -- else gets a new turn.
+    v_steer := p_mode = 'steer' AND v_active.status IN ('running', 'waiting');
+    v_turn := CASE WHEN v_steer THEN v_active.id ELSE gen_random_uuid() END;
     INSERT INTO yuxi.inputs (session_id, tree_id, user_id, app_id, content, mode,
-                             client_request_id, context_snapshot)
+                             client_request_id, context_snapshot, turn_id)
     VALUES (p_session, v_session.tree_id, p_user, p_app, p_content, p_mode,
-            p_client_request_id, v_session.config || coalesce(p_overrides, '{}'))
+            p_client_request_id, v_session.config || coalesce(p_overrides, '{}'), v_turn)
     RETURNING id INTO v_input;
-    IF p_mode = 'steer' AND v_active.status IN ('running', 'waiting') THEN
-        UPDATE yuxi.inputs SET turn_id = v_active.id WHERE id = v_input;
+    IF v_steer THEN
         PERFORM yuxi.emit_event_v1(v_session.tree_id, p_session, v_active.id, NULL,
                                    'input.received',
                                    jsonb_build_object('input_id', v_input, 'mode', p_mode,
@@ -157,10 +174,8 @@ BEGIN
            FROM yuxi.waits w WHERE w.turn_id = v_active.id AND w.status = 'pending';
         RETURN v_input;
     END IF;
-    INSERT INTO yuxi.turns (session_id, tree_id, user_id, app_id, input_id)
-    VALUES (p_session, v_session.tree_id, p_user, p_app, v_input)
-    RETURNING id INTO v_turn;
-    UPDATE yuxi.inputs SET turn_id = v_turn WHERE id = v_input;
+    INSERT INTO yuxi.turns (id, session_id, tree_id, user_id, app_id, input_id)
+    VALUES (v_turn, p_session, v_session.tree_id, p_user, p_app, v_input);
     PERFORM yuxi.emit_event_v1(v_session.tree_id, p_session, v_turn, NULL, 'input.received',
                                jsonb_build_object('input_id', v_input, 'mode', p_mode,
                                                   'steer', false));

@@ -50,9 +50,9 @@ def test_no_duplicate_indexes(postgresql):
 
 def test_duplicate_index_check_finds_one(postgresql):
     # Negative case: the catalog query must see a duplicate when there is one.
-    postgresql.execute("CREATE INDEX dup_idx ON yuxi.events (session_id, tree_id, user_id, app_id)")
+    postgresql.execute("CREATE INDEX dup_idx ON yuxi.runs (turn_id)")
     rows = postgresql.execute(DUPLICATE_INDEXES).fetchall()
-    assert rows and rows[0][0] == "events"
+    assert rows and rows[0][0] == "runs"
 
 
 def test_check_constraints_are_named(postgresql):
