@@ -155,3 +155,18 @@ async def test_without_mark_the_connection_keeps_no_lease(pool, checkpoint_pool,
     async with checkpoint_connection(checkpoint_pool) as conn:
         assert await runs.start_run(conn, first, uuid.uuid4(), 30) is not None
         assert await _marks(conn) == ("", "")
+
+
+async def test_a_broken_checkpoint_connection_is_dropped_without_an_error(
+        pool, checkpoint_pool, alice):
+    # A checkpoint write cancelled mid-query (a parallel tool call stopped by a
+    # cancel) breaks the connection: handing it back must not raise over the
+    # run's outcome, and it is never reused marked.
+    scope = alice[1]
+    session, receipts = await _queued(pool, scope, 1)
+    (first,) = await runs_with_status(pool, "ready")
+    async with checkpoint_connection(checkpoint_pool) as conn:
+        assert await runs.start_run(conn, first, uuid.uuid4(), 30, mark=True) is not None
+        await conn.close()
+    async with checkpoint_connection(checkpoint_pool) as conn:
+        assert await _marks(conn) == ("", "")
