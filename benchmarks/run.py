@@ -8,15 +8,16 @@ One run, one process tree, one fresh database (dropped and recreated):
 
 (a) system: the real API (uvicorn) and P real `procrastinate worker` processes
     (default: one per core, W concurrent runs each). R rounds: each submits N
-    turns over HTTP at once (C requests in flight) across S sessions of a
-    one-step replay agent and waits for them. A turn's latency is the time
+    turns over HTTP at once (C requests in flight) across S fresh sessions of
+    a one-step replay agent (N / S turns each, in FIFO order) and waits for
+    them; the warm-up runs on S sessions of its own. A turn's latency is the time
     from its 202 receipt (client clock) to the NOTIFY of its `turn.completed`
     event's transaction (same clock: this process LISTENs on `yuxi_events`).
     A round's turns/s = N / (its last completion - its first submission);
     the phase's rate is the median of its rounds.
 (b) direct: the same graph (`build_graph`, the same replay model, a no-op
     reporter, a plain AsyncPostgresSaver per invocation) invoked R x N times
-    in this process on S threads like the system's sessions (warm-up
+    in this process on threads mapped like the system's sessions (warm-up
     included, each thread's turns in order, so histories grow alike), C at a
     time, `durability="sync"`, after the API and the worker were stopped.
     A round's runs/s = N / its elapsed time; the median of the rounds.
@@ -49,7 +50,7 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +101,7 @@ def parse_args(argv: list[str] | None = None) -> Options:
                    help="YUXI_WORKER_CONCURRENCY of the worker process (W)")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                    help="worker processes (P; default: one per core, as deployed)")
-    p.add_argument("--rounds", type=int, default=3,
+    p.add_argument("--rounds", type=int, default=5,
                    help="measured rounds of N per phase (R); a phase's rate is the "
                         "median of its rounds (this machine varies by ~10%% run to run)")
     p.add_argument("--warmup", type=int, default=64,
@@ -415,6 +416,18 @@ class SystemResult:
     db: DbSnapshot | None = None
     worker_concurrency: int = 0
     background_cores: float = 0.0
+    paired: list[tuple[float, float]] = field(default_factory=list)  # (system, direct) rates
+
+
+def session_of(i: int, opts: Options) -> int:
+    """Which of the S x (2R + 1) sessions (direct: threads) turn i goes to:
+    warm-up turn -1 - j to the first S (j mod S), turn i of round r = i // N
+    (measured rounds 0..R-1, paired rounds R..2R-1) to the (r + 1)-th S
+    (i mod S). Every round starts on fresh sessions, so the rounds are the
+    same work, histories included (N / S turns each)."""
+    if i < 0:
+        return (-1 - i) % opts.sessions
+    return (i // opts.turns + 1) * opts.sessions + i % opts.sessions  # r < 2R: paired too
 
 
 async def _submit(clients: list[Http1Client], jobs: list[tuple[int, str]],
@@ -445,6 +458,9 @@ async def _submit(clients: list[Http1Client], jobs: list[tuple[int, str]],
 
 async def run_system(opts: Options, key: str, agent_id: uuid.UUID,
                      log_dir: Path) -> SystemResult:
+    """(a) The system's measured rounds, preceded by the paired rounds: R
+    times a system round then a direct round right after it, so both meet the
+    same machine (this one's speed drifts by 10-25% over minutes)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("YUXI_")}
     env.update(YUXI_DATABASE_URL=opts.url,
                YUXI_WORKER_CONCURRENCY=str(opts.worker_concurrency),
@@ -466,12 +482,33 @@ async def run_system(opts: Options, key: str, agent_id: uuid.UUID,
             sessions = await _create_sessions(clients, agent_id, opts)
             await watcher.start()
 
+            async def system_round(r: int) -> tuple[float, dict[int, tuple[str, float, float]]]:
+                """Turns/s of round r, and its receipts."""
+                jobs = [(i, sessions[session_of(i, opts)]) for i in round_indexes(opts, r)]
+                got: dict[int, tuple[str, float, float]] = {}
+                began = time.perf_counter()
+                await _submit(clients, jobs, got)
+                ids = {v[0] for v in got.values()}
+                await watcher.wait_for(ids, opts.timeout, procs)
+                return opts.turns / (max(watcher.done[t][0] for t in ids) - began), got
+
             # Warm-up (not counted): first turns of the sessions, pools grow.
             if opts.warmup:
                 receipts: dict[int, tuple[str, float, float]] = {}
-                jobs = [(-1 - i, sessions[i % len(sessions)]) for i in range(opts.warmup)]
+                jobs = [(-1 - i, sessions[session_of(-1 - i, opts)])
+                        for i in range(opts.warmup)]
                 await _submit(clients, jobs, receipts)
                 await watcher.wait_for({r[0] for r in receipts.values()}, opts.timeout, procs)
+
+            # Paired rounds (rates only): the API and the workers are idle
+            # while the direct graph runs its round in this process.
+            paired: list[tuple[float, float]] = []
+            async with DirectGraph(opts) as direct:
+                await run_concurrently([-1 - i for i in range(opts.warmup)], opts.concurrency,
+                                       direct.invoke)
+                for r in range(opts.rounds, 2 * opts.rounds):
+                    system_rate, _ = await system_round(r)
+                    paired.append((system_rate, await direct.round(round_indexes(opts, r))))
 
             # Let the counters of every backend reach pg_stat_database.
             background = await settle()
@@ -486,16 +523,11 @@ async def run_system(opts: Options, key: str, agent_id: uuid.UUID,
             profiler = _start_profiler(opts)
             start = time.perf_counter()
             for r in range(opts.rounds):
-                jobs = [(i, sessions[i % len(sessions)])
-                        for i in range(r * opts.turns, (r + 1) * opts.turns)]
-                round_receipts: dict[int, tuple[str, float, float]] = {}
                 began = time.perf_counter()
-                await _submit(clients, jobs, round_receipts)
+                rate, round_receipts = await system_round(r)
                 if r == 0:
-                    submit_elapsed = time.perf_counter() - began
-                ids = {v[0] for v in round_receipts.values()}
-                await watcher.wait_for(ids, opts.timeout, procs)
-                round_rates.append(opts.turns / (max(watcher.done[t][0] for t in ids) - began))
+                    submit_elapsed = max(v[2] for v in round_receipts.values()) - began
+                round_rates.append(rate)
                 receipts.update(round_receipts)
             turn_ids = {r[0] for r in receipts.values()}
             _stop_profiler(profiler, opts, "client")
@@ -528,7 +560,7 @@ async def run_system(opts: Options, key: str, agent_id: uuid.UUID,
         early=early, submit_elapsed=submit_elapsed,
         receipt_ms=[(r[2] - r[1]) * 1000 for r in receipts.values()],
         cpu=cpu, db=db, worker_concurrency=opts.worker_concurrency,
-        background_cores=background)
+        background_cores=background, paired=paired)
 
 
 async def _create_sessions(clients: list[Http1Client], agent_id: uuid.UUID,
@@ -548,7 +580,8 @@ async def _create_sessions(clients: list[Http1Client], agent_id: uuid.UUID,
             raise RuntimeError(f"create session: HTTP {status}: {answer}")
         return answer["id"]
 
-    return list(await asyncio.gather(*(one(i) for i in range(opts.sessions))))
+    return list(await asyncio.gather(
+        *(one(i) for i in range(opts.sessions * (2 * opts.rounds + 1)))))
 
 
 # --------------------------------------------------------------------------
@@ -636,44 +669,66 @@ async def _finish_db_stats(opts: Options, result: DirectResult) -> DirectResult:
     return result
 
 
-async def run_direct(opts: Options) -> DirectResult:
+class DirectGraph:
     """The worker's graph without the system: same model, same graph, a plain
-    saver per invocation on the same checkpoint pool factory."""
-    from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
-    from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
+    saver per invocation on the same checkpoint pool factory. Turn i runs on
+    thread session_of(i), each thread's turns in order, so a run carries the
+    same conversation history as the system's turn i does."""
 
-    from yuxi import db
-    from yuxi.runtime.graph import build_graph
-    from yuxi.runtime.models import build_chat_model
-    from yuxi.services.sessions import CONFIG_DEFAULTS
+    def __init__(self, opts: Options) -> None:
+        from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+        from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 
-    config = {**CONFIG_DEFAULTS, **AGENT_CONFIG}
-    size = opts.concurrency + 2
-    pool = db.checkpoint_pool(opts.url, min_size=size, max_size=size)
-    await pool.open(wait=True)
-    # The system's work, thread for session: S threads, turn i (warm-up turn
-    # -1 - j) on thread i mod S (j mod S), each thread's turns in order, so a
-    # run carries the same conversation history as the system's turn does.
-    threads = [str(uuid.uuid4()) for _ in range(opts.sessions)]
-    locks = [asyncio.Lock() for _ in threads]
+        from yuxi import db
+        from yuxi.runtime.graph import build_graph
+        from yuxi.runtime.models import build_chat_model
+        from yuxi.services.sessions import CONFIG_DEFAULTS
 
-    async def invoke(i: int) -> None:
-        t = (i if i >= 0 else -1 - i) % len(threads)
-        async with locks[t]:
-            await invoke_on(threads[t], i)
+        self.AIMessage, self.HumanMessage, self.SystemMessage = (AIMessage, HumanMessage,
+                                                                 SystemMessage)
+        self.Saver, self.build_graph, self.build_chat_model = (AsyncPostgresSaver, build_graph,
+                                                              build_chat_model)
+        self.opts = opts
+        self.config = {**CONFIG_DEFAULTS, **AGENT_CONFIG}
+        size = opts.concurrency + 2
+        self.pool = db.checkpoint_pool(opts.url, min_size=size, max_size=size)
+        self.threads = [str(uuid.uuid4()) for _ in range(opts.sessions * (2 * opts.rounds + 1))]
+        self.locks = [asyncio.Lock() for _ in self.threads]
 
-    async def invoke_on(thread_id: str, i: int) -> None:
+    async def __aenter__(self) -> DirectGraph:
+        await self.pool.open(wait=True)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.pool.close()
+
+    async def invoke(self, i: int) -> None:
+        t = session_of(i, self.opts)
+        async with self.locks[t]:
+            await self._invoke_on(self.threads[t], i)
+
+    async def round(self, indexes: list[int]) -> float:
+        """Runs/s of one round."""
+        began = time.perf_counter()
+        await asyncio.wait_for(run_concurrently(indexes, self.opts.concurrency, self.invoke),
+                               self.opts.timeout)
+        return len(indexes) / (time.perf_counter() - began)
+
+    async def _invoke_on(self, thread_id: str, i: int) -> None:
+        AIMessage, HumanMessage, SystemMessage = (self.AIMessage, self.HumanMessage,
+                                                  self.SystemMessage)
+        config = self.config
         run_id = str(uuid.uuid4())
         session = {"id": thread_id, "name": "root", "path": "/root", "parent_id": None,
                    "tree_id": thread_id}
-        model = build_chat_model(config["model"], config,
-                                 approval_mode=config["approval_mode"], session=session)
+        model = self.build_chat_model(config["model"], config,
+                                      approval_mode=config["approval_mode"], session=session)
         preamble = [SystemMessage(
             content=(f"You are Yuxi session 'root' at path /root (session id {thread_id}, "
                      f"parent none (root session), tree {thread_id}, run {run_id})."),
             id=f"identity:{run_id}")]
-        graph = build_graph(model, {}, NoopReporter(), preamble=preamble,
-                            checkpointer=AsyncPostgresSaver(pool))
+        graph = self.build_graph(model, {}, NoopReporter(), preamble=preamble,
+                                 checkpointer=self.Saver(self.pool))
         cfg = {"configurable": {"thread_id": thread_id},
                "recursion_limit": 2 * int(config["max_steps"]) + 2}
         out = await graph.ainvoke(
@@ -686,12 +741,18 @@ async def run_direct(opts: Options) -> DirectResult:
         if not isinstance(last, AIMessage) or last.text != f"ok turn {i}":
             raise RuntimeError(f"direct run {i}: unexpected answer {last!r}")
 
-    try:
-        result = await measured(
-            opts, "direct", invoke, [-1 - i for i in range(opts.warmup)],
-            [list(range(r * opts.turns, (r + 1) * opts.turns)) for r in range(opts.rounds)])
-    finally:
-        await pool.close()
+
+def round_indexes(opts: Options, r: int) -> list[int]:
+    """Turn indexes of round r: measured rounds are 0..R-1, paired 'R..2R-1'."""
+    return list(range(r * opts.turns, (r + 1) * opts.turns))
+
+
+async def run_direct(opts: Options) -> DirectResult:
+    """(b) The direct graph's measured rounds, alone on the machine."""
+    async with DirectGraph(opts) as direct:
+        result = await measured(opts, "direct", direct.invoke,
+                                [-1 - i for i in range(opts.warmup)],
+                                [round_indexes(opts, r) for r in range(opts.rounds)])
     return await _finish_db_stats(opts, result)
 
 
@@ -806,22 +867,32 @@ def _db_lines(db: DbSnapshot, n: int, unit: str, max_functions: int = 12) -> lis
 
 def report(opts: Options, system: SystemResult, direct: DirectResult,
            executor: DirectResult | None = None) -> str:
-    system_rate = statistics.median(system.round_rates)
-    direct_rate = statistics.median(direct.round_rates)
-    ratio = system_rate / direct_rate
+    # The headline numbers come from the paired rounds (each system round
+    # with a direct round right after it); the separate phases below give
+    # where the time goes.
+    system_rate = statistics.median(p[0] for p in system.paired)
+    direct_rate = statistics.median(p[1] for p in system.paired)
+    ratio = statistics.median(p[0] / p[1] for p in system.paired)
     p50 = percentile(system.latencies_ms, 50)
     p99 = percentile(system.latencies_ms, 99)
     lines = [
         "Yuxi sessions benchmark",
         f"  database {opts.url}",
-        f"  N={opts.turns} turns  concurrency C={opts.concurrency}  sessions S={opts.sessions}  "
-        f"worker processes P={opts.workers}  worker concurrency W={opts.worker_concurrency}  "
-        f"warm-up {opts.warmup}  "
+        f"  N={opts.turns} turns x R={opts.rounds} rounds  concurrency C={opts.concurrency}  "
+        f"sessions S={opts.sessions} per round  worker processes P={opts.workers}  "
+        f"worker concurrency W={opts.worker_concurrency}  warm-up {opts.warmup}  "
         f"cores {os.cpu_count()}",
+        "",
+        "paired rounds (a system round, then a direct round right after it):",
+        "  system turns/s  " + "  ".join(f"{p[0]:7.1f}" for p in system.paired),
+        "  direct runs/s   " + "  ".join(f"{p[1]:7.1f}" for p in system.paired),
+        "  ratio           " + "  ".join(f"{p[0] / p[1]:7.2f}" for p in system.paired),
+        f"  medians: system {system_rate:.1f}  direct {direct_rate:.1f}  ratio {ratio:.2f}",
         "",
         f"(a) system: API + {opts.workers} worker process{'es' if opts.workers > 1 else ''}, "
         "HTTP submissions, completion by NOTIFY",
-        f"  {system_rate:.1f} turns/s, the median of {_rounds(system.round_rates)}  "
+        f"  {statistics.median(system.round_rates):.1f} turns/s, the median of "
+        f"{_rounds(system.round_rates)}  "
         f"({system.turns} turns in {system.elapsed:.2f} s; the {opts.turns} of round 1 "
         f"submitted in {system.submit_elapsed:.2f} s)",
         f"  receipt-to-result latency ms: p50 {p50:.0f}  p90 "
@@ -843,7 +914,8 @@ def report(opts: Options, system: SystemResult, direct: DirectResult,
     lines += [
         "",
         "(b) direct: the same graph + AsyncPostgresSaver in one process",
-        f"  {direct_rate:.1f} runs/s, the median of {_rounds(direct.round_rates)}  "
+        f"  {statistics.median(direct.round_rates):.1f} runs/s, the median of "
+        f"{_rounds(direct.round_rates)}  "
         f"({direct.runs} runs in {direct.elapsed:.2f} s)  "
         f"invocation ms: p50 {percentile(direct.latencies_ms, 50):.0f}  "
         f"p99 {percentile(direct.latencies_ms, 99):.0f}",
@@ -887,7 +959,8 @@ def report(opts: Options, system: SystemResult, direct: DirectResult,
         lines.append("WARNING: the machine was busy with other work (see 'machine load'); "
                      "the numbers are noisy: rerun on a quiet machine")
     lines += [
-        f"ratio system/direct = {ratio:.2f}  (target >= 0.70: "
+        f"ratio system/direct = {ratio:.2f}, the median of the paired rounds' "
+        f"(target >= 0.70: "
         f"{'met' if ratio >= 0.7 else 'NOT met'})",
         f"bench: system={system_rate:.1f} direct={direct_rate:.1f} ratio={ratio:.2f} "
         f"p50_ms={round(p50)} p99_ms={round(p99)}",
@@ -917,6 +990,12 @@ async def main_async(opts: Options) -> int:
 
 
 async def _main_locked(opts: Options, log_dir: Path) -> int:
+    # Like for like: the direct graph runs in this process, with its startup
+    # heap frozen as the worker's is (yuxi.heap).
+    from yuxi.heap import freeze_startup_heap
+
+    import yuxi.runtime.graph, yuxi.runtime.models  # noqa: F401, E401  (what direct runs)
+    freeze_startup_heap()
     print(f"bench: fresh database {opts.url} ...", file=sys.stderr)
     await fresh_database(opts.url)
     key, scope, agent_id = await create_key_and_agent(opts.url)

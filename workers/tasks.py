@@ -17,6 +17,7 @@ from procrastinate import JobContext
 
 from workers.app import app, settings
 from yuxi import db
+from yuxi.heap import freeze_startup_heap
 from yuxi.runtime import cleanup
 from yuxi.runtime.executor import RunExecutor
 from yuxi.services import runs, sandbox
@@ -94,3 +95,8 @@ async def recover_runs(context: JobContext, timestamp: int) -> dict[str, int]:
     cleanups = await runs.redeliver_cleanups(executor.pool, dt.timedelta(seconds=10))
     return {"recovered": len(recovered), "stalled": len(list(stalled)),
             "redelivered": len(redelivered), "waits": waits, "cleanups": cleanups}
+
+
+# Everything the tasks run is imported now: keep the startup heap out of the
+# garbage collector's walks (yuxi.heap).
+freeze_startup_heap()

@@ -98,3 +98,16 @@ async def test_unknown_model_at_creation_is_422(client, session):
     response = await client.post("/api/sessions", json={"agent_id": agents[0]["id"],
                                                         "model": "gpt-x"}, headers=headers)
     assert response.status_code == 422 and response.json()["code"] == "unknown_model"
+
+
+async def test_a_revoked_key_stops_working_after_the_cache_time(client, alice, pool, monkeypatch):
+    from yuxi.api import auth
+    headers = {"Authorization": f"Bearer {alice[0]}"}
+    assert (await client.get("/api/agents", headers=headers)).status_code == 200
+    await scalar(pool, "UPDATE yuxi.api_keys SET revoked_at = now() RETURNING 1")
+    # Remembered for KEY_CACHE_SECONDS: no database round trip per request.
+    assert (await client.get("/api/agents", headers=headers)).status_code == 200
+    later = auth._clock() + auth.KEY_CACHE_SECONDS + 1
+    monkeypatch.setattr(auth, "_clock", lambda: later)
+    assert (await client.get("/api/agents", headers=headers)).status_code == 401
+    assert (await client.get("/api/agents", headers=headers)).status_code == 401

@@ -15,8 +15,9 @@ from litestar.static_files import create_static_files_router
 from litestar.template import TemplateConfig
 
 from yuxi import __version__, db
+from yuxi.heap import freeze_startup_heap
 from yuxi.api import errors, events, health, routes
-from yuxi.api.auth import provide_scope
+from yuxi.api.auth import KeyCache, provide_scope
 from yuxi.api.hub import EventHub
 from yuxi.settings import Settings
 
@@ -34,7 +35,9 @@ def create_app(settings: Settings | None = None) -> Litestar:
         await pool.open()
         await checkpoint_pool.open()
         await hub.start()
-        app.state.update(settings=settings, pool=pool, checkpoint_pool=checkpoint_pool, hub=hub)
+        app.state.update(settings=settings, pool=pool, checkpoint_pool=checkpoint_pool, hub=hub,
+                         key_cache=KeyCache())
+        freeze_startup_heap()
         try:
             yield
         finally:
