@@ -416,7 +416,8 @@ class SystemResult:
     db: DbSnapshot | None = None
     worker_concurrency: int = 0
     background_cores: float = 0.0
-    paired: list[tuple[float, float]] = field(default_factory=list)  # (system, direct) rates
+    # (system, direct, direct with its heap frozen) rates of the paired rounds
+    paired: list[tuple[float, float, float]] = field(default_factory=list)
 
 
 def session_of(i: int, opts: Options) -> int:
@@ -459,8 +460,9 @@ async def _submit(clients: list[Http1Client], jobs: list[tuple[int, str]],
 async def run_system(opts: Options, key: str, agent_id: uuid.UUID,
                      log_dir: Path) -> SystemResult:
     """(a) The system's measured rounds, preceded by the paired rounds: R
-    times a system round then a direct round right after it, so both meet the
-    same machine (this one's speed drifts by 10-25% over minutes)."""
+    times a system round then a direct round right after it (in a process of
+    its own), so both meet the same machine (this one's speed drifts by
+    10-25% over minutes)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("YUXI_")}
     env.update(YUXI_DATABASE_URL=opts.url,
                YUXI_WORKER_CONCURRENCY=str(opts.worker_concurrency),
@@ -501,14 +503,14 @@ async def run_system(opts: Options, key: str, agent_id: uuid.UUID,
                 await watcher.wait_for({r[0] for r in receipts.values()}, opts.timeout, procs)
 
             # Paired rounds (rates only): the API and the workers are idle
-            # while the direct graph runs its round in this process.
-            paired: list[tuple[float, float]] = []
-            async with DirectGraph(opts) as direct:
-                await run_concurrently([-1 - i for i in range(opts.warmup)], opts.concurrency,
-                                       direct.invoke)
+            # while the direct graph runs its round in a clean process.
+            paired: list[tuple[float, float, float]] = []
+            async with DirectProcess(opts, log_dir) as direct:
+                await direct.warmup()
                 for r in range(opts.rounds, 2 * opts.rounds):
                     system_rate, _ = await system_round(r)
-                    paired.append((system_rate, await direct.round(round_indexes(opts, r))))
+                    paired.append((system_rate, await direct.round(r),
+                                   await direct.round(r + opts.rounds, frozen=True)))
 
             # Let the counters of every backend reach pg_stat_database.
             background = await settle()
@@ -692,7 +694,8 @@ class DirectGraph:
         self.config = {**CONFIG_DEFAULTS, **AGENT_CONFIG}
         size = opts.concurrency + 2
         self.pool = db.checkpoint_pool(opts.url, min_size=size, max_size=size)
-        self.threads = [str(uuid.uuid4()) for _ in range(opts.sessions * (2 * opts.rounds + 1))]
+        # Warm-up, measured, paired and frozen-heap rounds (session_of).
+        self.threads = [str(uuid.uuid4()) for _ in range(opts.sessions * (3 * opts.rounds + 1))]
         self.locks = [asyncio.Lock() for _ in self.threads]
 
     async def __aenter__(self) -> DirectGraph:
@@ -742,13 +745,59 @@ class DirectGraph:
             raise RuntimeError(f"direct run {i}: unexpected answer {last!r}")
 
 
+class DirectProcess:
+    """The direct graph in a clean process of its own (benchmarks.direct_proc)
+    for the paired rounds."""
+
+    def __init__(self, opts: Options, log_dir: Path) -> None:
+        self.opts, self.log_path = opts, log_dir / "direct.log"
+
+    async def __aenter__(self) -> DirectProcess:
+        o = self.opts
+        argv = ["--database-url", o.url, "--turns", str(o.turns), "--concurrency",
+                str(o.concurrency), "--sessions", str(o.sessions), "--rounds", str(o.rounds),
+                "--warmup", str(o.warmup)]
+        self._log = open(self.log_path, "wb")
+        self.proc = await asyncio.create_subprocess_exec(
+            str(BIN / "python"), "-m", "benchmarks.direct_proc", *argv, cwd=ROOT,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        await self._answer()  # ready
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.proc.returncode is None:
+            self.proc.stdin.close()
+            try:
+                await asyncio.wait_for(self.proc.wait(), 30)
+            except TimeoutError:
+                self.proc.kill()
+        self._log.close()
+
+    async def _answer(self) -> str:
+        line = await asyncio.wait_for(self.proc.stdout.readline(), self.opts.timeout)
+        if not line:
+            raise RuntimeError("the direct process exited:\n"
+                               + self.log_path.read_text(errors="replace")[-3000:])
+        return line.decode().strip()
+
+    async def warmup(self) -> None:
+        self.proc.stdin.write(b"warmup\n")
+        await self._answer()
+
+    async def round(self, r: int, *, frozen: bool = False) -> float:
+        self.proc.stdin.write(f"{'frozen' if frozen else 'round'} {r}\n".encode())
+        return float(await self._answer())
+
+
 def round_indexes(opts: Options, r: int) -> list[int]:
     """Turn indexes of round r: measured rounds are 0..R-1, paired 'R..2R-1'."""
     return list(range(r * opts.turns, (r + 1) * opts.turns))
 
 
 async def run_direct(opts: Options) -> DirectResult:
-    """(b) The direct graph's measured rounds, alone on the machine."""
+    """(b) The direct graph's measured rounds, alone on the machine (in this
+    process: its CPU and the database's counters are measured)."""
     async with DirectGraph(opts) as direct:
         result = await measured(opts, "direct", direct.invoke,
                                 [-1 - i for i in range(opts.warmup)],
@@ -883,11 +932,16 @@ def report(opts: Options, system: SystemResult, direct: DirectResult,
         f"worker concurrency W={opts.worker_concurrency}  warm-up {opts.warmup}  "
         f"cores {os.cpu_count()}",
         "",
-        "paired rounds (a system round, then a direct round right after it):",
-        "  system turns/s  " + "  ".join(f"{p[0]:7.1f}" for p in system.paired),
-        "  direct runs/s   " + "  ".join(f"{p[1]:7.1f}" for p in system.paired),
-        "  ratio           " + "  ".join(f"{p[0] / p[1]:7.2f}" for p in system.paired),
-        f"  medians: system {system_rate:.1f}  direct {direct_rate:.1f}  ratio {ratio:.2f}",
+        "paired rounds (a system round, then direct rounds right after it in a clean process):",
+        "  system turns/s            " + "  ".join(f"{p[0]:7.1f}" for p in system.paired),
+        "  direct runs/s             " + "  ".join(f"{p[1]:7.1f}" for p in system.paired),
+        "  ratio                     " + "  ".join(f"{p[0] / p[1]:7.2f}" for p in system.paired),
+        "  direct, heap frozen       " + "  ".join(f"{p[2]:7.1f}" for p in system.paired),
+        "  ratio to it               " + "  ".join(f"{p[0] / p[2]:7.2f}" for p in system.paired),
+        f"  medians: system {system_rate:.1f}  direct {direct_rate:.1f}  ratio {ratio:.2f}  "
+        f"(direct with the worker's frozen heap (yuxi.heap): "
+        f"{statistics.median(p[2] for p in system.paired):.1f}, ratio "
+        f"{statistics.median(p[0] / p[2] for p in system.paired):.2f})",
         "",
         f"(a) system: API + {opts.workers} worker process{'es' if opts.workers > 1 else ''}, "
         "HTTP submissions, completion by NOTIFY",
@@ -920,6 +974,7 @@ def report(opts: Options, system: SystemResult, direct: DirectResult,
         f"invocation ms: p50 {percentile(direct.latencies_ms, 50):.0f}  "
         f"p99 {percentile(direct.latencies_ms, 99):.0f}",
     ]
+
     lines.append(f"  machine load just before: {direct.background_cores:.2f} cores")
     if direct.cpu:
         lines += _cpu_lines(direct.cpu, direct.runs, direct.elapsed, "run")
@@ -990,12 +1045,6 @@ async def main_async(opts: Options) -> int:
 
 
 async def _main_locked(opts: Options, log_dir: Path) -> int:
-    # Like for like: the direct graph runs in this process, with its startup
-    # heap frozen as the worker's is (yuxi.heap).
-    from yuxi.heap import freeze_startup_heap
-
-    import yuxi.runtime.graph, yuxi.runtime.models  # noqa: F401, E401  (what direct runs)
-    freeze_startup_heap()
     print(f"bench: fresh database {opts.url} ...", file=sys.stderr)
     await fresh_database(opts.url)
     key, scope, agent_id = await create_key_and_agent(opts.url)
