@@ -104,9 +104,10 @@ def parse_args(argv: list[str] | None = None) -> Options:
     p.add_argument("--rounds", type=int, default=5,
                    help="measured rounds of N per phase (R); a phase's rate is the "
                         "median of its rounds (this machine varies by ~10%% run to run)")
-    p.add_argument("--warmup", type=int, default=64,
-                   help="uncounted turns/runs first (they also warm every pooled "
-                        "connection: catalog caches, PL/pgSQL)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="uncounted turns/runs first, on sessions of their own (default: "
+                        "N; they grow the pools to their working size and warm every "
+                        "pooled connection: catalog caches, PL/pgSQL)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="give up when a phase takes longer (seconds)")
     p.add_argument("--database-url",
@@ -126,6 +127,8 @@ def parse_args(argv: list[str] | None = None) -> Options:
     for name in ("turns", "concurrency", "sessions", "worker_concurrency", "workers", "rounds"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if a.warmup is None:
+        a.warmup = a.turns
     if a.warmup < 0:
         p.error("--warmup must not be negative")
     return Options(url=a.database_url, turns=a.turns, concurrency=a.concurrency,
