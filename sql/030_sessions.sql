@@ -48,10 +48,14 @@ $$;
 -- queue is not paused: the turn runs, its first run is created with the
 -- input's frozen config, ready with a slot and a job when the tree has a slot
 -- free and no run waiting (as claim_slot_v1 would decide, written once), else
--- pending in the tree FIFO. With p_defer false the ready run gets no job: the
--- caller starts it in this transaction. Returns the started turn's id or
--- NULL. Caller holds the tree lock or not; it is taken here first either way.
-CREATE FUNCTION yuxi.start_next_turn_v1(p_session uuid, p_defer boolean DEFAULT true)
+-- pending in the tree FIFO. With p_lease_token, a run that gets its slot is
+-- created running, leased to the caller with that token for p_lease_seconds
+-- (the worker that finished the session's previous turn goes on with it: no
+-- job). Each run is written once, in its final state. Returns the started
+-- turn's id or NULL. Caller holds the tree lock or not; it is taken here
+-- first either way.
+CREATE FUNCTION yuxi.start_next_turn_v1(p_session uuid, p_lease_token uuid DEFAULT NULL,
+                                        p_lease_seconds double precision DEFAULT NULL)
 RETURNS uuid
     LANGUAGE plpgsql AS $$
 DECLARE
@@ -61,6 +65,7 @@ DECLARE
     v_snapshot jsonb;
     v_run uuid;
     v_ready boolean;
+    v_leased boolean;
 BEGIN
     SELECT * INTO v_session FROM yuxi.sessions WHERE id = p_session;
     IF NOT FOUND THEN
@@ -83,20 +88,29 @@ BEGIN
     UPDATE yuxi.inputs SET status = 'started', started_at = now()
         WHERE id = v_turn.input_id
         RETURNING context_snapshot INTO v_snapshot;
-    -- Written in its final state: one row version instead of pending, ready.
     v_ready := yuxi.slot_free_v1(v_tree);
-    INSERT INTO yuxi.runs (turn_id, session_id, tree_id, user_id, app_id, config, status)
+    v_leased := v_ready AND p_lease_token IS NOT NULL;
+    INSERT INTO yuxi.runs (turn_id, session_id, tree_id, user_id, app_id, config, status,
+                           lease_token, lease_expires_at, started_at)
     VALUES (v_turn.id, p_session, v_turn.tree_id, v_turn.user_id, v_turn.app_id, v_snapshot,
-            CASE WHEN v_ready THEN 'ready' ELSE 'pending' END)
+            CASE WHEN v_leased THEN 'running' WHEN v_ready THEN 'ready' ELSE 'pending' END,
+            CASE WHEN v_leased THEN p_lease_token END,
+            CASE WHEN v_leased
+                 THEN clock_timestamp() + make_interval(secs => p_lease_seconds) END,
+            CASE WHEN v_leased THEN now() END)
     RETURNING id INTO v_run;
     IF v_ready THEN
         INSERT INTO yuxi.slot_claims (run_id, tree_id) VALUES (v_run, v_turn.tree_id);
-        IF p_defer THEN
+        IF NOT v_leased THEN
             PERFORM yuxi.defer_run_job_v1(v_run);
         END IF;
     END IF;
     PERFORM yuxi.emit_event_v1(v_turn.tree_id, p_session, v_turn.id, v_run, 'turn.started',
                                jsonb_build_object('input_id', v_turn.input_id));
+    IF v_leased THEN
+        PERFORM yuxi.emit_event_v1(v_turn.tree_id, p_session, v_turn.id, v_run, 'run.started',
+                                   jsonb_build_object('attempt', 1));
+    END IF;
     RETURN v_turn.id;
 END;
 $$;

@@ -141,11 +141,12 @@ $$;
 -- End a turn whose last run is p_run (already ended by the caller): the turn
 -- and its input take the final status, the run becomes the turn's result, the
 -- slot goes to the tree FIFO and the session's next queued turn starts.
--- With p_continue, a next run that gets a slot at once gets no job: its id is
--- returned and the caller must start it in this same transaction (the worker
--- that finished goes on with it). Returns NULL otherwise.
+-- With p_lease_token, the session's next run, when it gets a slot at once,
+-- is created leased to the caller (start_next_turn_v1): its id is returned.
+-- Returns NULL otherwise.
 CREATE FUNCTION yuxi.finish_turn_v1(p_run uuid, p_status text, p_error text,
-                                    p_continue boolean DEFAULT false) RETURNS uuid
+                                    p_lease_token uuid DEFAULT NULL,
+                                    p_lease_seconds double precision DEFAULT NULL) RETURNS uuid
     LANGUAGE plpgsql AS $$
 DECLARE
     v_run yuxi.runs;
@@ -171,9 +172,10 @@ BEGIN
     PERFORM yuxi.emit_event_v1(v_turn.tree_id, v_turn.session_id, v_turn.id, p_run,
                                'turn.' || p_status,
                                jsonb_build_object('input_id', v_turn.input_id, 'error', p_error));
-    v_next_turn := yuxi.start_next_turn_v1(v_turn.session_id, NOT p_continue);
-    IF p_continue AND v_next_turn IS NOT NULL THEN
-        SELECT id INTO v_next FROM yuxi.runs WHERE turn_id = v_next_turn AND status = 'ready';
+    v_next_turn := yuxi.start_next_turn_v1(v_turn.session_id, p_lease_token, p_lease_seconds);
+    IF p_lease_token IS NOT NULL AND v_next_turn IS NOT NULL THEN
+        SELECT id INTO v_next FROM yuxi.runs
+         WHERE turn_id = v_next_turn AND status = 'running' AND lease_token = p_lease_token;
     END IF;
     RETURN v_next;
 END;
@@ -253,9 +255,13 @@ BEGIN
      WHERE id = p_run;
     PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
                                'run.completed', '{}');
-    v_next := yuxi.finish_turn_v1(p_run, 'completed', NULL, p_next_token IS NOT NULL);
+    v_next := yuxi.finish_turn_v1(p_run, 'completed', NULL, p_next_token, p_lease_seconds);
     IF v_next IS NOT NULL THEN
-        next_run := yuxi.start_run_v1(v_next, p_next_token, p_lease_seconds, p_mark);
+        IF p_mark THEN
+            PERFORM set_config('yuxi.run_id', v_next::text, false),
+                    set_config('yuxi.lease_token', p_next_token::text, false);
+        END IF;
+        next_run := yuxi.leased_run_v1(v_next);
     END IF;
     outcome := 'completed';
 END;
