@@ -245,8 +245,8 @@ CREATE TABLE yuxi.slot_claims (
 CREATE INDEX slot_claims_tree_idx ON yuxi.slot_claims (tree_id);
 
 -- Append-only facts clients observe, gap-free per tree (seq = the tree's last
--- seq + 1, taken under the tree row lock). dedupe_key lets a re-executed step (after a crash)
--- report the same fact once.
+-- seq + 1, taken under the tree row lock). dedupe_key lets a re-executed step
+-- (after a crash) report the same fact once.
 CREATE TABLE yuxi.events (
     tree_id uuid NOT NULL,
     seq bigint NOT NULL,

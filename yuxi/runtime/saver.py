@@ -6,8 +6,8 @@ start_run_v1 and complete_run_v1 do it in the transaction that takes the
 lease). Triggers on LangGraph's tables (sql/110_checkpoint_fence.sql) check
 the lease in each transaction that writes, so a worker that lost its lease
 changes nothing, and a recovery waits for a write in flight instead of
-interleaving with it. The writes themselves stay in psycopg's pipeline mode: the fence
-costs no round trip.
+interleaving with it. The writes themselves stay in psycopg's pipeline
+mode: the fence costs no round trip.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 
-from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 import psycopg
+from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 from psycopg import AsyncConnection
 from psycopg_pool import AsyncConnectionPool
 
