@@ -193,7 +193,10 @@ BEGIN
     PERFORM yuxi.emit_event_v1(v_session.tree_id, p_session, v_turn, NULL, 'input.received',
                                jsonb_build_object('input_id', v_input, 'mode', p_mode,
                                                   'steer', false));
-    PERFORM yuxi.start_next_turn_v1(p_session);
+    -- A turn in flight (found above, under the locks) keeps the new one queued.
+    IF v_active.id IS NULL THEN
+        PERFORM yuxi.start_next_turn_v1(p_session);
+    END IF;
     RETURN v_input;
 END;
 $$;
