@@ -63,8 +63,7 @@ BEGIN
     PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
                                'run.started', jsonb_build_object('attempt', v_run.attempt));
     IF p_mark THEN
-        PERFORM set_config('yuxi.run_id', p_run::text, false),
-                set_config('yuxi.lease_token', p_token::text, false);
+        PERFORM yuxi.mark_checkpoint_connection_v1(p_run::text, p_token::text);
     END IF;
     RETURN yuxi.leased_run_v1(p_run);
 END;
@@ -258,8 +257,7 @@ BEGIN
     v_next := yuxi.finish_turn_v1(p_run, 'completed', NULL, p_next_token, p_lease_seconds);
     IF v_next IS NOT NULL THEN
         IF p_mark THEN
-            PERFORM set_config('yuxi.run_id', v_next::text, false),
-                    set_config('yuxi.lease_token', p_next_token::text, false);
+            PERFORM yuxi.mark_checkpoint_connection_v1(v_next::text, p_next_token::text);
         END IF;
         next_run := yuxi.leased_run_v1(v_next);
     END IF;

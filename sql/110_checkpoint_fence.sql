@@ -5,6 +5,14 @@
 -- (share-locking the run row until the write commits). A worker that lost its lease writes
 -- nothing; other connections (the API, the cancel cleanup) are not marked.
 
+-- Mark the caller's connection with a run's lease for its checkpointer (empty
+-- strings unmark it): session settings, kept after the transaction commits
+-- and undone if it aborts.
+CREATE FUNCTION yuxi.mark_checkpoint_connection_v1(p_run text, p_token text) RETURNS void
+    LANGUAGE sql AS $$
+    SELECT set_config('yuxi.run_id', p_run, false), set_config('yuxi.lease_token', p_token, false);
+$$;
+
 -- Statement trigger of the checkpoint tables.
 CREATE FUNCTION yuxi.fence_checkpoint_write_v1() RETURNS trigger
     LANGUAGE plpgsql AS $$

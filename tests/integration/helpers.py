@@ -67,3 +67,30 @@ async def events(pool, tree_id) -> list[dict[str, Any]]:
     async with pool.connection() as conn:
         return await db.fetch_all(conn, "events_after", {
             "tree_id": tree_id, "after": 0, "session_id": None, "limit": 10_000})
+
+
+# Negative cases redefine a transition without its guard: the text replaced
+# must be in the function, or the test would prove nothing.
+FUNCTION_SOURCE = "SELECT pg_get_functiondef(%s::regproc)"
+
+
+def _rewritten(source: str, old: str, new: str) -> str:
+    assert old in source, f"{old!r} is not in the function any more"
+    return source.replace(old, new, 1)
+
+
+async def rewrite_function(pool, name: str, old: str, new: str) -> str:
+    """Redefine SQL function `name` with `old` replaced by `new`; returns the
+    original source (execute it to restore the function)."""
+    async with pool.connection() as conn:
+        row = await (await conn.execute(FUNCTION_SOURCE, (name,))).fetchone()
+        source = next(iter(row.values()))
+        await conn.execute(_rewritten(source, old, new))
+    return source
+
+
+def rewrite_function_sync(conn, name: str, old: str, new: str) -> str:
+    """rewrite_function on a synchronous connection (the caller commits)."""
+    source = conn.execute(FUNCTION_SOURCE, (name,)).fetchone()[0]
+    conn.execute(_rewritten(source, old, new))
+    return source

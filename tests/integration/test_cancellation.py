@@ -13,7 +13,9 @@ import pytest
 from langchain_core.messages import AIMessage, ToolMessage
 
 from tests.integration import gated
-from tests.integration.helpers import drain, executor, new_session, rows, runs_with_status, scalar
+from tests.integration.helpers import (
+    drain, executor, new_session, rows, runs_with_status, scalar, rewrite_function,
+)
 from tests.integration.test_config import wait_until_blocked
 from yuxi.runtime import cleanup
 from yuxi.services import conversation, sessions
@@ -237,12 +239,9 @@ async def test_without_the_completion_check_a_cancelled_turn_completes(
         pool, checkpoint_pool, alice):
     # Negative case: if completing ignored a committed intent, a cancel during
     # the final answer would end as a completed result.
-    async with pool.connection() as conn:
-        src = (await (await conn.execute(
-            "SELECT pg_get_functiondef('yuxi.complete_run_v1'::regproc) AS d")).fetchone())["d"]
-        guard = "WHERE id = v_run.turn_id AND cancel_requested_at IS NOT NULL"
-        assert guard in src
-        await conn.execute(src.replace(guard, "WHERE false"))
+    await rewrite_function(pool, "yuxi.complete_run_v1",
+                           "WHERE id = v_run.turn_id AND cancel_requested_at IS NOT NULL",
+                           "WHERE false")
     scope = alice[1]
     with gated.gated_model() as gate:
         # No tool boundary before the answer: only the completion check stands.

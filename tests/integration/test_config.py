@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import psycopg
 import pytest
 
-from tests.integration.helpers import drain, rows, scalar
+from tests.integration.helpers import drain, rows, scalar, rewrite_function_sync
 from yuxi.errors import InvalidRequest
 from yuxi.services import accounts, sessions
 
@@ -160,11 +160,8 @@ def test_receive_waits_for_an_uncommitted_update_and_sees_it(db_url, postgresql)
 def test_without_the_reread_under_the_lock_the_input_misses_the_update(db_url, postgresql):
     # Negative case: freezing the config read before the lock was taken gives
     # an input received after the update the old settings.
-    src = postgresql.execute(
-        "SELECT pg_get_functiondef('yuxi.receive_input_v1'::regproc)").fetchone()[0]
-    reread = "    SELECT * INTO v_session FROM yuxi.sessions WHERE id = p_session;\n"
-    assert reread in src
-    postgresql.execute(src.replace(reread, ""))
+    rewrite_function_sync(postgresql, "yuxi.receive_input_v1",
+                          "    SELECT * INTO v_session FROM yuxi.sessions WHERE id = p_session;\n", "")
     postgresql.commit()
     snap = _interleave_update_and_receive(db_url, postgresql)
     assert snap["model"] == "replay/old"

@@ -8,7 +8,7 @@ import uuid
 import psycopg
 import pytest
 
-from tests.integration.helpers import drain, new_session, rows, scalar
+from tests.integration.helpers import drain, new_session, rows, scalar, rewrite_function
 from yuxi.services import conversation, sessions
 
 CHILD_STEP = {"say": "done {{ input }} at {{ session.path }}"}
@@ -231,14 +231,11 @@ async def test_crash_after_the_effect_commit_and_before_the_checkpoint(
     committed and before the step's checkpoint: the next run of the turn
     re-executes the tool, which returns the recorded effect."""
     scope = alice[1]
-    async with pool.connection() as conn:
-        src = (await (await conn.execute(
-            "SELECT pg_get_functiondef('yuxi.record_effect_v1'::regproc) AS d")).fetchone())["d"]
-        # Test-only: recording the effect also ends the lease (the "crash").
-        await conn.execute(src.replace(
-            "    INSERT INTO yuxi.effects",
-            "    UPDATE yuxi.runs SET lease_expires_at = now() - interval '1 s' WHERE id = p_run;\n"
-            "    INSERT INTO yuxi.effects", 1))
+    # Test-only: recording the effect also ends the lease (the "crash").
+    src = await rewrite_function(
+        pool, "yuxi.record_effect_v1", "    INSERT INTO yuxi.effects",
+        "    UPDATE yuxi.runs SET lease_expires_at = now() - interval '1 s' WHERE id = p_run;\n"
+        "    INSERT INTO yuxi.effects")
     root = await new_session(pool, scope, orchestrator(1))
     receipt = await sessions.receive_input(pool, scope, root.id, content="orchestrate")
     from tests.integration.helpers import executor

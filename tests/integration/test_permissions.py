@@ -9,7 +9,9 @@ import asyncio
 import pytest
 
 from tests.integration import gated
-from tests.integration.helpers import drain, executor, new_session, rows, runs_with_status, scalar
+from tests.integration.helpers import (
+    drain, executor, new_session, rows, runs_with_status, scalar, rewrite_function,
+)
 from yuxi.errors import InvalidRequest
 from yuxi.services import accounts, conversation, resources, sessions
 
@@ -96,13 +98,11 @@ async def test_side_effecting_tool_checks_the_grant_when_it_executes(pool, check
 async def test_without_the_execution_check_the_revoked_write_happens(pool, checkpoint_pool, alice):
     # Negative case: the same interleaving with add_note_v1 not re-checking
     # the collection's grant writes the note after revocation.
-    async with pool.connection() as conn:
-        src = (await (await conn.execute(
-            "SELECT pg_get_functiondef('yuxi.add_note_v1'::regproc) AS d")).fetchone())["d"]
-        check = "v_resource := yuxi.check_grant_v1(v_run.user_id, v_run.app_id, 'collection', p_collection);"
-        assert check in src
-        await conn.execute(src.replace(check, "SELECT id INTO v_resource FROM yuxi.resources "
-                                              "WHERE kind = 'collection' AND name = p_collection;"))
+    await rewrite_function(
+        pool, "yuxi.add_note_v1",
+        "v_resource := yuxi.check_grant_v1(v_run.user_id, v_run.app_id, 'collection', p_collection);",
+        "SELECT id INTO v_resource FROM yuxi.resources "
+        "WHERE kind = 'collection' AND name = p_collection;")
     result = await _revoke_during_model_call(pool, checkpoint_pool, alice[1])
     assert result.output["text"] == "noted docs"
     assert await scalar(pool, "SELECT count(*) FROM yuxi.notes") == 1

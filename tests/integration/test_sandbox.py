@@ -11,7 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 import psycopg
 import pytest
 
-from tests.integration.helpers import new_session, runs_with_status, scalar
+from tests.integration.helpers import (
+    new_session, runs_with_status, scalar, rewrite_function, rewrite_function_sync,
+)
 from tests.integration.test_config import wait_until_blocked
 from yuxi.services import runs, sandbox, sessions
 
@@ -71,12 +73,9 @@ async def test_the_releaser_is_never_called_while_a_run_is_active(pool, alice, t
 
 async def test_without_the_active_run_check_the_releaser_would_run(pool, alice, tmp_path):
     # Negative case: drop the active-run condition from the idle decision.
-    async with pool.connection() as conn:
-        src = (await (await conn.execute(
-            "SELECT pg_get_functiondef('yuxi.begin_sandbox_release_v1'::regproc) AS d")).fetchone())["d"]
-        check = "OR EXISTS (SELECT 1 FROM yuxi.runs WHERE tree_id = p_tree"
-        assert check in src
-        await conn.execute(src.replace(check, "OR false AND EXISTS (SELECT 1 FROM yuxi.runs WHERE tree_id = p_tree"))
+    await rewrite_function(pool, "yuxi.begin_sandbox_release_v1",
+                           "OR EXISTS (SELECT 1 FROM yuxi.runs WHERE tree_id = p_tree",
+                           "OR false AND EXISTS (SELECT 1 FROM yuxi.runs WHERE tree_id = p_tree")
     run, token, box = await _run_with_sandbox(pool, alice[1], tmp_path)
     releaser = Recorder()
     assert await sandbox.release_idle(pool, tmp_path, now=at(60), releaser=releaser) != []
@@ -119,11 +118,8 @@ async def test_without_the_lock_the_claim_keeps_the_half_deleted_sandbox(
         pool, alice, tmp_path, db_url, postgresql):
     # Negative case: a claim that does not take the sandbox lock reads the
     # generation being deleted and keeps using it.
-    src = postgresql.execute(
-        "SELECT pg_get_functiondef('yuxi.claim_sandbox_v1'::regproc)").fetchone()[0]
-    lock = "PERFORM pg_advisory_xact_lock(yuxi.lock_key_v1('sandbox:' || v_tree));"
-    assert lock in src
-    postgresql.execute(src.replace(lock, ""))
+    rewrite_function_sync(postgresql, "yuxi.claim_sandbox_v1",
+                          "PERFORM pg_advisory_xact_lock(yuxi.lock_key_v1('sandbox:' || v_tree));", "")
     postgresql.commit()
     assert await _claim_racing_release(pool, alice[1], tmp_path, db_url, postgresql) == 1
 

@@ -10,7 +10,9 @@ import asyncio
 import pytest
 
 from tests.integration import gated
-from tests.integration.helpers import drain, executor, new_session, rows, runs_with_status, scalar
+from tests.integration.helpers import (
+    drain, executor, new_session, rows, runs_with_status, scalar, rewrite_function,
+)
 from yuxi.errors import WaitingForUser
 from yuxi.services import conversation, sessions
 
@@ -136,10 +138,8 @@ async def test_waiting_for_user_refuses_new_input_and_writes_nothing(pool, alice
 async def test_without_the_completion_check_a_late_steer_is_lost(pool, checkpoint_pool, alice):
     # Negative case: if completing ignored undelivered steers, the steer that
     # arrived during the final answer would end with the turn, never seen.
-    async with pool.connection() as conn:
-        src = (await (await conn.execute(
-            "SELECT pg_get_functiondef('yuxi.complete_run_v1'::regproc) AS d")).fetchone())["d"]
-        await conn.execute(src.replace("IF EXISTS (SELECT 1 FROM yuxi.inputs i", "IF false AND EXISTS (SELECT 1 FROM yuxi.inputs i"))
+    await rewrite_function(pool, "yuxi.complete_run_v1", "IF EXISTS (SELECT 1 FROM yuxi.inputs i",
+                           "IF false AND EXISTS (SELECT 1 FROM yuxi.inputs i")
     scope = alice[1]
     with gated.gated_model() as gate:
         session, receipt, task = await _start(pool, checkpoint_pool, scope, script(JOINED))

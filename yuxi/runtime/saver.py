@@ -25,7 +25,7 @@ from psycopg_pool import AsyncConnectionPool
 
 log = logging.getLogger(__name__)
 
-MARK = "SELECT set_config('yuxi.run_id', %s, false), set_config('yuxi.lease_token', %s, false)"
+MARK = "SELECT yuxi.mark_checkpoint_connection_v1(%s, %s)"
 
 
 @contextlib.asynccontextmanager
