@@ -116,6 +116,7 @@ class CpuSnapshot:
             {pid: v - before.backends.get(pid, 0.0) for pid, v in self.backends.items()})
 
 
+_WAL_COLUMNS = ("wal_records", "wal_fpi", "wal_bytes", "wal_write", "wal_sync")
 _DB_COLUMNS = ("xact_commit", "xact_rollback", "tup_returned", "tup_fetched",
                "tup_inserted", "tup_updated", "tup_deleted", "blks_read", "blks_hit")
 
@@ -127,6 +128,8 @@ class DbSnapshot:
     tables: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
     # schema.function -> (calls, total ms, self ms); needs track_functions
     functions: dict[str, tuple[float, float, float]] = field(default_factory=dict)
+    # pg_stat_wal (the whole server: the bench's machine is otherwise idle)
+    wal: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     async def take(cls, url: str) -> DbSnapshot:
@@ -145,8 +148,12 @@ class DbSnapshot:
                 "sum(self_time) FROM pg_stat_user_functions GROUP BY 1")
             functions = {r[0]: tuple(float(v or 0) for v in r[1:])
                          for r in await cur.fetchall()}
-        # This connection's own transactions (3) are counted by the next snapshot.
-        return cls(database, tables, functions)
+            cur = await conn.execute(
+                f"SELECT {', '.join(_WAL_COLUMNS)} FROM pg_stat_wal")
+            row = await cur.fetchone()
+            wal = {c: float(v or 0) for c, v in zip(_WAL_COLUMNS, row, strict=True)}
+        # This connection's own transactions (4) are counted by the next snapshot.
+        return cls(database, tables, functions, wal)
 
     def by_schema(self) -> dict[str, tuple[int, ...]]:
         schemas: dict[str, list[int]] = {}
@@ -158,9 +165,9 @@ class DbSnapshot:
 
     def minus(self, before: DbSnapshot, *, own_xacts: int = 0) -> DbSnapshot:
         database = {k: v - before.database.get(k, 0) for k, v in self.database.items()}
-        # The snapshot connection of `before` (3 statements) and any of the
+        # The snapshot connection of `before` (4 statements) and any of the
         # benchmark's own queries are not the system's.
-        database["xact_commit"] -= 3 + own_xacts
+        database["xact_commit"] -= 4 + own_xacts
         tables = {}
         for table, values in self.tables.items():
             old = before.tables.get(table, (0, 0, 0, 0))
@@ -171,4 +178,5 @@ class DbSnapshot:
             delta = tuple(a - b for a, b in zip(values, old_f, strict=True))
             if delta[0]:
                 functions[name] = delta
-        return DbSnapshot(database, tables, functions)
+        wal = {k: v - before.wal.get(k, 0.0) for k, v in self.wal.items()}
+        return DbSnapshot(database, tables, functions, wal)
