@@ -4,22 +4,29 @@
 
 -- Defer the Procrastinate job that executes a run, in the caller's
 -- transaction, so the ready run and its job commit together or not at all.
+-- (plpgsql, like every function on the hot path: it keeps its plans for the
+-- connection's life, where a LANGUAGE sql function that cannot be inlined is
+-- parsed and planned again at every call.)
 CREATE FUNCTION yuxi.defer_run_job_v1(p_run uuid) RETURNS bigint
-    LANGUAGE sql
+    LANGUAGE plpgsql
     SET search_path = procrastinate, pg_catalog
 AS $$
-    SELECT (procrastinate_defer_jobs_v1(ARRAY[ROW(
+BEGIN
+    RETURN (procrastinate_defer_jobs_v1(ARRAY[ROW(
         'runs', 'execute_run', 0, NULL, NULL,
         jsonb_build_object('run_id', p_run), NULL
     )::procrastinate_job_to_defer_v1]))[1];
+END;
 $$;
 
 -- A run of the tree that is being created can have a slot at once: one is
 -- free and no run waits in the tree's FIFO. The caller holds the tree lock.
 CREATE FUNCTION yuxi.slot_free_v1(p_tree yuxi.trees) RETURNS boolean
-    LANGUAGE sql STABLE AS $$
-    SELECT (SELECT count(*) FROM yuxi.slot_claims WHERE tree_id = p_tree.id) < p_tree.slot_capacity
+    LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    RETURN (SELECT count(*) FROM yuxi.slot_claims WHERE tree_id = p_tree.id) < p_tree.slot_capacity
        AND NOT EXISTS (SELECT 1 FROM yuxi.runs WHERE tree_id = p_tree.id AND status = 'pending');
+END;
 $$;
 
 -- Give a slot to a pending run if the tree has one free and no older run is

@@ -44,16 +44,54 @@ BEGIN
 END;
 $$;
 
+-- Create the first run of a turn that has just become `running` (the caller
+-- holds the tree lock and passes the tree row): ready with a slot and a job
+-- when the tree has a slot free and no run waiting (as claim_slot_v1 would
+-- decide, written once), else pending in the tree FIFO. With p_lease_token, a
+-- run that gets its slot is created running, leased to the caller with that
+-- token for p_lease_seconds (the worker that finished the session's previous
+-- turn goes on with it: no job). Each run is written once, in its final
+-- state. Emits turn.started (and run.started when leased); returns the run.
+CREATE FUNCTION yuxi.start_turn_run_v1(p_turn yuxi.turns, p_tree yuxi.trees, p_config jsonb,
+                                       p_lease_token uuid, p_lease_seconds double precision)
+RETURNS uuid
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_run uuid;
+    v_ready boolean := yuxi.slot_free_v1(p_tree);
+    v_leased boolean := v_ready AND p_lease_token IS NOT NULL;
+BEGIN
+    INSERT INTO yuxi.runs (turn_id, session_id, tree_id, user_id, app_id, config, status,
+                           lease_token, lease_expires_at, started_at)
+    VALUES (p_turn.id, p_turn.session_id, p_turn.tree_id, p_turn.user_id, p_turn.app_id,
+            p_config,
+            CASE WHEN v_leased THEN 'running' WHEN v_ready THEN 'ready' ELSE 'pending' END,
+            CASE WHEN v_leased THEN p_lease_token END,
+            CASE WHEN v_leased
+                 THEN clock_timestamp() + make_interval(secs => p_lease_seconds) END,
+            CASE WHEN v_leased THEN now() END)
+    RETURNING id INTO v_run;
+    IF v_ready THEN
+        INSERT INTO yuxi.slot_claims (run_id, tree_id) VALUES (v_run, p_turn.tree_id);
+        IF NOT v_leased THEN
+            PERFORM yuxi.defer_run_job_v1(v_run);
+        END IF;
+    END IF;
+    PERFORM yuxi.emit_event_v1(p_turn.tree_id, p_turn.session_id, p_turn.id, v_run,
+                               'turn.started', jsonb_build_object('input_id', p_turn.input_id));
+    IF v_leased THEN
+        PERFORM yuxi.emit_event_v1(p_turn.tree_id, p_turn.session_id, p_turn.id, v_run,
+                                   'run.started', jsonb_build_object('attempt', 1));
+    END IF;
+    RETURN v_run;
+END;
+$$;
+
 -- Start the session's oldest queued turn if nothing is in flight and its
--- queue is not paused: the turn runs, its first run is created with the
--- input's frozen config, ready with a slot and a job when the tree has a slot
--- free and no run waiting (as claim_slot_v1 would decide, written once), else
--- pending in the tree FIFO. With p_lease_token, a run that gets its slot is
--- created running, leased to the caller with that token for p_lease_seconds
--- (the worker that finished the session's previous turn goes on with it: no
--- job). Each run is written once, in its final state. Returns the started
--- turn's id or NULL. Caller holds the tree lock or not; it is taken here
--- first either way.
+-- queue is not paused: the turn runs and its first run is created with the
+-- input's frozen config (start_turn_run_v1; with p_lease_token it may be
+-- leased to the caller). Returns the started turn's id or NULL. Caller holds
+-- the tree lock or not; it is taken here first either way.
 CREATE FUNCTION yuxi.start_next_turn_v1(p_session uuid, p_lease_token uuid DEFAULT NULL,
                                         p_lease_seconds double precision DEFAULT NULL)
 RETURNS uuid
@@ -63,9 +101,6 @@ DECLARE
     v_tree yuxi.trees;
     v_turn yuxi.turns;
     v_snapshot jsonb;
-    v_run uuid;
-    v_ready boolean;
-    v_leased boolean;
 BEGIN
     SELECT * INTO v_session FROM yuxi.sessions WHERE id = p_session;
     IF NOT FOUND THEN
@@ -88,29 +123,7 @@ BEGIN
     UPDATE yuxi.inputs SET status = 'started', started_at = now()
         WHERE id = v_turn.input_id
         RETURNING context_snapshot INTO v_snapshot;
-    v_ready := yuxi.slot_free_v1(v_tree);
-    v_leased := v_ready AND p_lease_token IS NOT NULL;
-    INSERT INTO yuxi.runs (turn_id, session_id, tree_id, user_id, app_id, config, status,
-                           lease_token, lease_expires_at, started_at)
-    VALUES (v_turn.id, p_session, v_turn.tree_id, v_turn.user_id, v_turn.app_id, v_snapshot,
-            CASE WHEN v_leased THEN 'running' WHEN v_ready THEN 'ready' ELSE 'pending' END,
-            CASE WHEN v_leased THEN p_lease_token END,
-            CASE WHEN v_leased
-                 THEN clock_timestamp() + make_interval(secs => p_lease_seconds) END,
-            CASE WHEN v_leased THEN now() END)
-    RETURNING id INTO v_run;
-    IF v_ready THEN
-        INSERT INTO yuxi.slot_claims (run_id, tree_id) VALUES (v_run, v_turn.tree_id);
-        IF NOT v_leased THEN
-            PERFORM yuxi.defer_run_job_v1(v_run);
-        END IF;
-    END IF;
-    PERFORM yuxi.emit_event_v1(v_turn.tree_id, p_session, v_turn.id, v_run, 'turn.started',
-                               jsonb_build_object('input_id', v_turn.input_id));
-    IF v_leased THEN
-        PERFORM yuxi.emit_event_v1(v_turn.tree_id, p_session, v_turn.id, v_run, 'run.started',
-                                   jsonb_build_object('attempt', 1));
-    END IF;
+    PERFORM yuxi.start_turn_run_v1(v_turn, v_tree, v_snapshot, p_lease_token, p_lease_seconds);
     RETURN v_turn.id;
 END;
 $$;
@@ -130,14 +143,18 @@ CREATE FUNCTION yuxi.receive_input_v1(
     LANGUAGE plpgsql AS $$
 DECLARE
     v_session yuxi.sessions;
+    v_tree yuxi.trees;
     v_active yuxi.turns;
+    v_new_turn yuxi.turns;
     v_input uuid;
     v_turn uuid;
     v_steer boolean;
+    v_start boolean;
+    v_snapshot jsonb;
 BEGIN
     v_session := yuxi.scoped_session_v1(p_session, p_user, p_app);
     PERFORM pg_advisory_xact_lock(yuxi.session_lock_key_v1(p_session));
-    PERFORM yuxi.lock_tree_v1(v_session.tree_id);
+    v_tree := yuxi.lock_tree_v1(v_session.tree_id);
     IF p_client_request_id IS NOT NULL THEN
         SELECT id INTO v_input FROM yuxi.inputs
             WHERE session_id = p_session AND client_request_id = p_client_request_id;
@@ -171,12 +188,21 @@ BEGIN
     -- The input is written with its turn (the turn's row follows: the FK to
     -- it is checked at commit): a steer joins the turn in flight, anything
     -- else gets a new turn.
-    v_steer := p_mode = 'steer' AND v_active.status IN ('running', 'waiting');
+    v_steer := p_mode = 'steer' AND coalesce(v_active.status IN ('running', 'waiting'), false);
     v_turn := CASE WHEN v_steer THEN v_active.id ELSE gen_random_uuid() END;
+    -- An idle session with nothing queued before it (and its queue not
+    -- paused) starts the new turn at once: input and turn are written
+    -- started, in their final state, instead of queued and then updated.
+    v_start := NOT v_steer AND v_active.id IS NULL AND NOT v_session.queue_paused
+               AND NOT EXISTS (SELECT 1 FROM yuxi.turns
+                               WHERE session_id = p_session AND status = 'queued');
+    v_snapshot := v_session.config || coalesce(p_overrides, '{}');
     INSERT INTO yuxi.inputs (session_id, tree_id, user_id, app_id, content, mode,
-                             client_request_id, context_snapshot, turn_id)
+                             client_request_id, context_snapshot, turn_id, status, started_at)
     VALUES (p_session, v_session.tree_id, p_user, p_app, p_content, p_mode,
-            p_client_request_id, v_session.config || coalesce(p_overrides, '{}'), v_turn)
+            p_client_request_id, v_snapshot, v_turn,
+            CASE WHEN v_start THEN 'started' ELSE 'queued' END,
+            CASE WHEN v_start THEN now() END)
     RETURNING id INTO v_input;
     IF v_steer THEN
         PERFORM yuxi.emit_event_v1(v_session.tree_id, p_session, v_active.id, NULL,
@@ -188,14 +214,18 @@ BEGIN
            FROM yuxi.waits w WHERE w.turn_id = v_active.id AND w.status = 'pending';
         RETURN v_input;
     END IF;
-    INSERT INTO yuxi.turns (id, session_id, tree_id, user_id, app_id, input_id)
-    VALUES (v_turn, p_session, v_session.tree_id, p_user, p_app, v_input);
+    INSERT INTO yuxi.turns (id, session_id, tree_id, user_id, app_id, input_id, status,
+                            started_at)
+    VALUES (v_turn, p_session, v_session.tree_id, p_user, p_app, v_input,
+            CASE WHEN v_start THEN 'running' ELSE 'queued' END,
+            CASE WHEN v_start THEN now() END)
+    RETURNING * INTO v_new_turn;
     PERFORM yuxi.emit_event_v1(v_session.tree_id, p_session, v_turn, NULL, 'input.received',
                                jsonb_build_object('input_id', v_input, 'mode', p_mode,
                                                   'steer', false));
     -- A turn in flight (found above, under the locks) keeps the new one queued.
-    IF v_active.id IS NULL THEN
-        PERFORM yuxi.start_next_turn_v1(p_session);
+    IF v_start THEN
+        PERFORM yuxi.start_turn_run_v1(v_new_turn, v_tree, v_snapshot, NULL, NULL);
     END IF;
     RETURN v_input;
 END;

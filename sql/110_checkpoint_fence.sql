@@ -9,8 +9,10 @@
 -- strings unmark it): session settings, kept after the transaction commits
 -- and undone if it aborts.
 CREATE FUNCTION yuxi.mark_checkpoint_connection_v1(p_run text, p_token text) RETURNS void
-    LANGUAGE sql AS $$
-    SELECT set_config('yuxi.run_id', p_run, false), set_config('yuxi.lease_token', p_token, false);
+    LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM set_config('yuxi.run_id', p_run, false), set_config('yuxi.lease_token', p_token, false);
+END;
 $$;
 
 -- Statement trigger of the checkpoint tables.

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.helpers import drain, events, new_session, rows, scalar, say_agent
+from tests.integration.helpers import (
+    drain, events, new_session, rewrite_function, rows, scalar, say_agent)
 from yuxi.errors import InvalidRequest, NotFound
 from yuxi.services import sessions
 
@@ -50,6 +51,59 @@ async def test_queued_inputs_run_in_fifo_order_with_their_own_results(pool, chec
         assert result.output["text"] == f"answer to q{i}"
     finished = await rows(pool, "SELECT t.id FROM yuxi.turns t ORDER BY t.finished_at")
     assert [r["id"] for r in finished] == [r.turn_id for r in receipts]
+
+
+# An input to an idle session is written started at once only when its
+# queue is not paused and holds no older turn (sql/030_sessions.sql).
+_PAUSED_GUARD = "AND NOT v_session.queue_paused"
+_QUEUED_GUARD = ("AND NOT EXISTS (SELECT 1 FROM yuxi.turns\n"
+                 "                               WHERE session_id = p_session AND status = 'queued')")
+
+
+async def _paused_idle_session(pool, scope):
+    session = await new_session(pool, scope, say_agent("answer to {{ input }}"))
+    await scalar(pool, "UPDATE yuxi.sessions SET queue_paused = true WHERE id = %s RETURNING id",
+                 (session.id,))
+    return session
+
+
+@pytest.mark.parametrize("guarded", [True, False])
+async def test_an_input_to_a_paused_idle_session_waits(pool, checkpoint_pool, alice, guarded):
+    _, scope = alice
+    if not guarded:  # negative case: without the guard the turn starts anyway
+        await rewrite_function(pool, "yuxi.receive_input_v1", _PAUSED_GUARD, "")
+    session = await _paused_idle_session(pool, scope)
+    receipt = await sessions.receive_input(pool, scope, session.id, content="q0", mode="queue")
+    if not guarded:
+        assert receipt.status == "started"
+        return
+    assert (receipt.status, receipt.position) == ("queued", 1)
+    assert await drain(pool, checkpoint_pool) == []
+    await sessions.continue_queue(pool, scope, session.id)
+    assert await drain(pool, checkpoint_pool) == ["completed"]
+
+
+@pytest.mark.parametrize("guarded", [True, False])
+async def test_an_input_to_an_idle_session_never_passes_a_queued_turn(
+        pool, checkpoint_pool, alice, guarded):
+    _, scope = alice
+    if not guarded:  # negative case: without the guard the new turn jumps the queue
+        await rewrite_function(pool, "yuxi.receive_input_v1", _QUEUED_GUARD, "")
+    session = await _paused_idle_session(pool, scope)
+    first = await sessions.receive_input(pool, scope, session.id, content="q0", mode="queue")
+    # An idle session with a queued turn and an open queue (as if the queue
+    # had been opened without starting it): FIFO still holds.
+    await scalar(pool, "UPDATE yuxi.sessions SET queue_paused = false WHERE id = %s RETURNING id",
+                 (session.id,))
+    second = await sessions.receive_input(pool, scope, session.id, content="q1", mode="queue")
+    if not guarded:
+        assert second.status == "started"
+        return
+    assert (second.status, second.position) == ("queued", 2)
+    await sessions.continue_queue(pool, scope, session.id)
+    await drain(pool, checkpoint_pool)
+    finished = await rows(pool, "SELECT t.id FROM yuxi.turns t ORDER BY t.finished_at")
+    assert [r["id"] for r in finished] == [first.turn_id, second.turn_id]
 
 
 async def test_only_one_turn_in_flight_per_session(pool, alice):
