@@ -181,10 +181,12 @@ CREATE UNIQUE INDEX turns_one_active_per_session ON yuxi.turns (session_id)
 CREATE INDEX turns_session_seq_idx ON yuxi.turns (session_id, seq);
 CREATE INDEX turns_queued_idx ON yuxi.turns (session_id, seq) WHERE status = 'queued';
 
-ALTER TABLE yuxi.turns ADD CONSTRAINT turns_id_session_key UNIQUE (id, session_id);
 -- Deferred: an input is written with its turn id, just before its turn's row.
+-- (Its turn's whole owner key, so no narrower unique key on turns is needed:
+-- every index of a table is written by every non-HOT update of its rows.)
 ALTER TABLE yuxi.inputs ADD CONSTRAINT inputs_turn_same_session_fk
-    FOREIGN KEY (turn_id, session_id) REFERENCES yuxi.turns (id, session_id)
+    FOREIGN KEY (turn_id, session_id, tree_id, user_id, app_id)
+    REFERENCES yuxi.turns (id, session_id, tree_id, user_id, app_id)
     DEFERRABLE INITIALLY DEFERRED;
 
 -- A run is one execution segment of a turn. lease_token fences every write of
@@ -209,7 +211,8 @@ CREATE TABLE yuxi.runs (
     finished_at timestamptz,
     CONSTRAINT runs_turn_fk FOREIGN KEY (turn_id, session_id, tree_id, user_id, app_id)
         REFERENCES yuxi.turns (id, session_id, tree_id, user_id, app_id),
-    CONSTRAINT runs_id_turn_key UNIQUE (id, turn_id),
+    -- Leading with turn_id, it also serves "a turn's runs".
+    CONSTRAINT runs_turn_id_key UNIQUE (turn_id, id),
     CONSTRAINT runs_id_tree_key UNIQUE (id, tree_id),
     CONSTRAINT runs_attempt_positive CHECK (attempt >= 1),
     CONSTRAINT runs_status_known CHECK (status IN (
@@ -227,9 +230,6 @@ CREATE UNIQUE INDEX runs_one_live_per_session ON yuxi.runs (session_id)
 CREATE INDEX runs_pending_fifo_idx ON yuxi.runs (tree_id, slot_seq) WHERE status = 'pending';
 CREATE INDEX runs_lease_idx ON yuxi.runs (lease_expires_at) WHERE status = 'running';
 CREATE INDEX runs_ready_idx ON yuxi.runs (created_at) WHERE status = 'ready';
--- A turn's runs (turns are never deleted: no wider FK-support index needed).
-CREATE INDEX runs_turn_idx ON yuxi.runs (turn_id);
-
 ALTER TABLE yuxi.turns ADD CONSTRAINT turns_result_run_same_turn_fk
     FOREIGN KEY (result_run_id, id) REFERENCES yuxi.runs (id, turn_id);
 

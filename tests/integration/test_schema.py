@@ -50,7 +50,7 @@ def test_no_duplicate_indexes(postgresql):
 
 def test_duplicate_index_check_finds_one(postgresql):
     # Negative case: the catalog query must see a duplicate when there is one.
-    postgresql.execute("CREATE INDEX dup_idx ON yuxi.runs (turn_id)")
+    postgresql.execute("CREATE INDEX dup_idx ON yuxi.runs (turn_id, id)")
     rows = postgresql.execute(DUPLICATE_INDEXES).fetchall()
     assert rows and rows[0][0] == "runs"
 
