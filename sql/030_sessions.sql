@@ -223,9 +223,13 @@ BEGIN
     PERFORM yuxi.emit_event_v1(v_session.tree_id, p_session, v_turn, NULL, 'input.received',
                                jsonb_build_object('input_id', v_input, 'mode', p_mode,
                                                   'steer', false));
-    -- A turn in flight (found above, under the locks) keeps the new one queued.
+    -- A turn in flight (found above, under the locks) keeps the new one
+    -- queued; an idle session whose open queue holds older turns starts the
+    -- oldest (a paused queue stays as it is).
     IF v_start THEN
         PERFORM yuxi.start_turn_run_v1(v_new_turn, v_tree, v_snapshot, NULL, NULL);
+    ELSIF v_active.id IS NULL THEN
+        PERFORM yuxi.start_next_turn_v1(p_session);
     END IF;
     RETURN v_input;
 END;

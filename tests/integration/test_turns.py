@@ -99,8 +99,9 @@ async def test_an_input_to_an_idle_session_never_passes_a_queued_turn(
     if not guarded:
         assert second.status == "started"
         return
-    assert (second.status, second.position) == ("queued", 2)
-    await sessions.continue_queue(pool, scope, session.id)
+    # The older turn starts first; the new one waits behind it.
+    assert (second.status, second.position) == ("queued", 1)
+    assert (await sessions.get_turn(pool, scope, first.turn_id)).status == "running"
     await drain(pool, checkpoint_pool)
     finished = await rows(pool, "SELECT t.id FROM yuxi.turns t ORDER BY t.finished_at")
     assert [r["id"] for r in finished] == [first.turn_id, second.turn_id]
