@@ -30,6 +30,8 @@ import psycopg
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
+from benchmarks.run import DEFAULT_URL
+
 RECEIVE = ("SELECT * FROM yuxi.receive_input_receipt_v1(%s, %s, %s, %s, 'queue', NULL, %s, "
            "false)")
 START = "SELECT * FROM yuxi.start_run_v1(%s, %s, 30, true) WHERE id IS NOT NULL"
@@ -124,9 +126,8 @@ async def main_async(url: str, k: int) -> None:
 def main() -> None:
     from yuxi import db
 
-    default = db.with_database(
-        os.environ.get("YUXI_BENCH_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/x"),
-        "yuxi_sql_paths")
+    default = db.with_database(os.environ.get("YUXI_BENCH_DATABASE_URL", DEFAULT_URL),
+                               "yuxi_sql_paths")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, default=400)
     parser.add_argument("--database-url", default=default)
