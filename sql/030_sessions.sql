@@ -51,7 +51,8 @@ $$;
 -- run that gets its slot is created running, leased to the caller with that
 -- token for p_lease_seconds (the worker that finished the session's previous
 -- turn goes on with it: no job). Each run is written once, in its final
--- state. Emits turn.started (and run.started when leased); returns the run.
+-- state. Emits turn.started (and run.started when leased). Returns the run
+-- when it is leased to the caller, NULL otherwise.
 CREATE FUNCTION yuxi.start_turn_run_v1(p_turn yuxi.turns, p_tree yuxi.trees, p_config jsonb,
                                        p_lease_token uuid, p_lease_seconds double precision)
 RETURNS uuid
@@ -79,10 +80,11 @@ BEGIN
     END IF;
     PERFORM yuxi.emit_event_v1(p_turn.tree_id, p_turn.session_id, p_turn.id, v_run,
                                'turn.started', jsonb_build_object('input_id', p_turn.input_id));
-    IF v_leased THEN
-        PERFORM yuxi.emit_event_v1(p_turn.tree_id, p_turn.session_id, p_turn.id, v_run,
-                                   'run.started', jsonb_build_object('attempt', 1));
+    IF NOT v_leased THEN
+        RETURN NULL;
     END IF;
+    PERFORM yuxi.emit_event_v1(p_turn.tree_id, p_turn.session_id, p_turn.id, v_run,
+                               'run.started', jsonb_build_object('attempt', 1));
     RETURN v_run;
 END;
 $$;
@@ -90,11 +92,12 @@ $$;
 -- Start the session's oldest queued turn if nothing is in flight and its
 -- queue is not paused: the turn runs and its first run is created with the
 -- input's frozen config (start_turn_run_v1; with p_lease_token it may be
--- leased to the caller). Returns the started turn's id or NULL. Caller holds
--- the tree lock or not; it is taken here first either way.
+-- leased to the caller). Returns the started turn (NULL when none) and its
+-- run when that was leased to the caller. Caller holds the tree lock or not;
+-- it is taken here first either way.
 CREATE FUNCTION yuxi.start_next_turn_v1(p_session uuid, p_lease_token uuid DEFAULT NULL,
-                                        p_lease_seconds double precision DEFAULT NULL)
-RETURNS uuid
+                                        p_lease_seconds double precision DEFAULT NULL,
+                                        OUT started_turn uuid, OUT leased_run uuid)
     LANGUAGE plpgsql AS $$
 DECLARE
     v_session yuxi.sessions;
@@ -111,20 +114,21 @@ BEGIN
     IF v_session.queue_paused OR EXISTS (
         SELECT 1 FROM yuxi.turns WHERE session_id = p_session
           AND status IN ('running', 'waiting', 'waiting_user', 'cancelling')) THEN
-        RETURN NULL;
+        RETURN;
     END IF;
     SELECT * INTO v_turn FROM yuxi.turns
         WHERE session_id = p_session AND status = 'queued'
         ORDER BY seq LIMIT 1 FOR UPDATE;
     IF NOT FOUND THEN
-        RETURN NULL;
+        RETURN;
     END IF;
     UPDATE yuxi.turns SET status = 'running', started_at = now() WHERE id = v_turn.id;
     UPDATE yuxi.inputs SET status = 'started', started_at = now()
         WHERE id = v_turn.input_id
         RETURNING context_snapshot INTO v_snapshot;
-    PERFORM yuxi.start_turn_run_v1(v_turn, v_tree, v_snapshot, p_lease_token, p_lease_seconds);
-    RETURN v_turn.id;
+    started_turn := v_turn.id;
+    leased_run := yuxi.start_turn_run_v1(v_turn, v_tree, v_snapshot, p_lease_token,
+                                         p_lease_seconds);
 END;
 $$;
 

@@ -150,8 +150,6 @@ CREATE FUNCTION yuxi.finish_turn_v1(p_run uuid, p_status text, p_error text,
 DECLARE
     v_run yuxi.runs;
     v_turn yuxi.turns;
-    v_next_turn uuid;
-    v_next uuid;
 BEGIN
     SELECT * INTO v_run FROM yuxi.runs WHERE id = p_run;
     UPDATE yuxi.turns
@@ -171,12 +169,8 @@ BEGIN
     PERFORM yuxi.emit_event_v1(v_turn.tree_id, v_turn.session_id, v_turn.id, p_run,
                                'turn.' || p_status,
                                jsonb_build_object('input_id', v_turn.input_id, 'error', p_error));
-    v_next_turn := yuxi.start_next_turn_v1(v_turn.session_id, p_lease_token, p_lease_seconds);
-    IF p_lease_token IS NOT NULL AND v_next_turn IS NOT NULL THEN
-        SELECT id INTO v_next FROM yuxi.runs
-         WHERE turn_id = v_next_turn AND status = 'running' AND lease_token = p_lease_token;
-    END IF;
-    RETURN v_next;
+    RETURN (yuxi.start_next_turn_v1(v_turn.session_id, p_lease_token,
+                                    p_lease_seconds)).leased_run;
 END;
 $$;
 

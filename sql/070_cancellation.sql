@@ -176,7 +176,7 @@ BEGIN
     PERFORM yuxi.lock_tree_v1(v_session.tree_id);
     UPDATE yuxi.sessions SET queue_paused = false WHERE id = p_session;
     PERFORM yuxi.emit_event_v1(v_session.tree_id, p_session, NULL, NULL, 'queue.continued', '{}');
-    RETURN yuxi.start_next_turn_v1(p_session);
+    RETURN (yuxi.start_next_turn_v1(p_session)).started_turn;
 END;
 $$;
 

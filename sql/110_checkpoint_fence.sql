@@ -2,8 +2,9 @@
 -- PostgreSQL: the worker marks the connection it lends the run's checkpointer
 -- (`yuxi.run_id`, `yuxi.lease_token`, session settings), and every
 -- transaction writing LangGraph's tables on it first checks the lease
--- (share-locking the run row until the write commits). A worker that lost its lease writes
--- nothing; other connections (the API, the cancel cleanup) are not marked.
+-- (share-locking the run row until the write commits). A worker that lost
+-- its lease writes nothing; other connections (the API, the cancel cleanup)
+-- are not marked.
 
 -- Mark the caller's connection with a run's lease for its checkpointer (empty
 -- strings unmark it): session settings, kept after the transaction commits

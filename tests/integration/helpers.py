@@ -4,6 +4,7 @@ procrastinate_jobs all the same)."""
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from typing import Any
 
@@ -94,3 +95,17 @@ def rewrite_function_sync(conn, name: str, old: str, new: str) -> str:
     source = conn.execute(FUNCTION_SOURCE, (name,)).fetchone()[0]
     conn.execute(_rewritten(source, old, new))
     return source
+
+
+@contextlib.asynccontextmanager
+async def fenced_saver(pool, run_id: uuid.UUID, token: uuid.UUID):
+    """A checkpointer on a checkpoint connection marked with a run's lease, as
+    the worker's is (start_run_v1 / complete_run_v1 mark it in production):
+    the fence tests write through it directly."""
+    from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
+
+    from yuxi.runtime.saver import MARK, checkpoint_connection
+
+    async with checkpoint_connection(pool) as conn:
+        await conn.execute(MARK, (str(run_id), str(token)))
+        yield AsyncPostgresSaver(conn)

@@ -10,10 +10,10 @@ import psycopg
 import pytest
 from langchain_core.messages import HumanMessage
 
-from tests.integration.helpers import drain, executor, new_session, rows, runs_with_status, scalar, say_agent
+from tests.integration.helpers import (
+    drain, executor, fenced_saver, new_session, rows, runs_with_status, scalar, say_agent)
 from yuxi.errors import LeaseLost
 from yuxi.runtime import executor as exmod
-from yuxi.runtime.saver import fenced_saver
 from yuxi.services import runs, sessions
 
 

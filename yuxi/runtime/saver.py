@@ -15,11 +15,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import uuid
 from collections.abc import AsyncIterator
 
 import psycopg
-from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 from psycopg import AsyncConnection
 from psycopg_pool import AsyncConnectionPool
 
@@ -51,16 +49,3 @@ async def checkpoint_connection(pool: AsyncConnectionPool) -> AsyncIterator[Asyn
                             exc)
                 await conn.close()
 
-
-async def mark(conn: AsyncConnection, run_id: uuid.UUID, token: uuid.UUID) -> AsyncPostgresSaver:
-    """Mark the connection with the run's lease; its checkpointer."""
-    await conn.execute(MARK, (str(run_id), str(token)))
-    return AsyncPostgresSaver(conn)
-
-
-@contextlib.asynccontextmanager
-async def fenced_saver(pool: AsyncConnectionPool, run_id: uuid.UUID,
-                       token: uuid.UUID) -> AsyncIterator[AsyncPostgresSaver]:
-    """A checkpointer on a connection marked with the run's lease."""
-    async with checkpoint_connection(pool) as conn:
-        yield await mark(conn, run_id, token)
