@@ -112,3 +112,24 @@ async def alice(pool) -> tuple[str, Scope]:
 async def mallory(pool) -> tuple[str, Scope]:
     """Another user's key: must never see or change alice's objects."""
     return await accounts.create_key(pool, "mallory", "app1")
+
+
+@pytest.fixture(autouse=True)
+def _sandbox_holders(tmp_path_factory):
+    """A sandbox outlives the worker that started it (until its idle
+    release); the holders a test left behind (their trees under this
+    session's temp dirs) are ended after it, with their namespaces."""
+    yield
+    base = str(tmp_path_factory.getbasetemp())
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if args[0].endswith(b"bwrap") and any(a.startswith(base.encode()) for a in args):
+            try:
+                os.kill(int(entry.name), 9)
+            except ProcessLookupError:
+                pass

@@ -26,6 +26,26 @@ class Settings(msgspec.Struct, frozen=True):
     worker_concurrency: int = 16
     # Where tree workdirs and sandboxes live (shared by workers of one host).
     data_dir: str = ".yuxi/data"
+    # Tree sandboxes (docs/sandbox.md): "bwrap" confines a tree's commands
+    # and files; "host" runs them as the worker, with its environment
+    # (unsafe, an explicit opt-out).
+    sandbox: str = "bwrap"
+    # "none": no network but the tree's own loopback; "outbound": internet
+    # through slirp4netns, still without the host's loopback.
+    sandbox_network: str = "none"
+    sandbox_bwrap: str = "bwrap"
+    # The interpreter of the agent inside the sandbox (a system one: the
+    # worker's virtualenv is not mounted there).
+    sandbox_python: str = "/usr/bin/python3"
+    # Per command (inherited by what it starts): CPU seconds, address space,
+    # processes of the sandbox user, size of one written file.
+    sandbox_cpu_seconds: int = 600
+    sandbox_memory_mb: int = 4096
+    sandbox_processes: int = 256
+    sandbox_file_mb: int = 1024
+    # The worker's locale and terminal, the only variables passed inside.
+    sandbox_locale: dict[str, str] = {}
+    sandbox_term: str = "dumb"
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -43,6 +63,31 @@ class Settings(msgspec.Struct, frozen=True):
                 sse_keepalive_seconds=float(env.get("YUXI_SSE_KEEPALIVE_SECONDS", "15")),
                 worker_concurrency=int(env.get("YUXI_WORKER_CONCURRENCY", "16")),
                 data_dir=env.get("YUXI_DATA_DIR", ".yuxi/data"),
+                sandbox=_choice(env, "YUXI_SANDBOX", ("bwrap", "host")),
+                sandbox_network=_choice(env, "YUXI_SANDBOX_NETWORK", ("none", "outbound")),
+                sandbox_bwrap=env.get("YUXI_SANDBOX_BWRAP", "bwrap"),
+                sandbox_python=env.get("YUXI_SANDBOX_PYTHON", "/usr/bin/python3"),
+                sandbox_cpu_seconds=_positive(env, "YUXI_SANDBOX_CPU_SECONDS", 600),
+                sandbox_memory_mb=_positive(env, "YUXI_SANDBOX_MEMORY_MB", 4096),
+                sandbox_processes=_positive(env, "YUXI_SANDBOX_PROCESSES", 256),
+                sandbox_file_mb=_positive(env, "YUXI_SANDBOX_FILE_MB", 1024),
+                sandbox_locale={k: v for k, v in env.items()
+                                if k == "LANG" or k.startswith("LC_")},
+                sandbox_term=env.get("TERM", "dumb"),
             )
         except ValueError as exc:
             raise SystemExit(f"yuxi: invalid setting: {exc}") from None
+
+
+def _choice(env, name: str, allowed: tuple[str, ...]) -> str:
+    value = env.get(name, allowed[0])
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r}: expected one of {', '.join(allowed)}")
+    return value
+
+
+def _positive(env, name: str, default: int) -> int:
+    value = int(env.get(name, default))
+    if value <= 0:
+        raise ValueError(f"{name}={value}: expected a positive number")
+    return value

@@ -8,6 +8,7 @@ import datetime as dt
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
 import psycopg
 import pytest
 
@@ -124,23 +125,29 @@ async def test_without_the_lock_the_claim_keeps_the_half_deleted_sandbox(
     assert await _claim_racing_release(pool, alice[1], tmp_path, db_url, postgresql) == 1
 
 
-async def _tool_context(pool, scope, tmp_path):
+async def _tool_context(pool, scope, tmp_path, mode="bwrap"):
     from tests.integration.test_permissions import _grant_all  # noqa: F401
-    from yuxi.services import resources
+    from yuxi.runtime import confine
     from yuxi.runtime.tools import ToolContext
+    from yuxi.services import resources
+    from yuxi.settings import Settings
     await resources.create(pool, scope.app_id, "tool_group:sandbox")
     await resources.grant(pool, scope, "tool_group:sandbox")
     run, token, box = await _run_with_sandbox(pool, scope, tmp_path)
+    box = msgspec.structs.replace(box, jail=confine.for_settings(Settings(sandbox=mode)))
     return ToolContext(pool=pool, run_id=run["id"], token=token, call_id="c", run=run,
                        sandbox=box), box
 
 
-async def test_run_command_output_timeout_and_files(pool, alice, tmp_path):
+@pytest.mark.parametrize("mode", ["bwrap", "host"])
+async def test_run_command_output_timeout_and_files(pool, alice, tmp_path, mode):
     from yuxi.runtime import sandbox_tools
-    ctx, box = await _tool_context(pool, alice[1], tmp_path)
+    ctx, box = await _tool_context(pool, alice[1], tmp_path, mode)
     out = await sandbox_tools.run_command(ctx, {"command": "for i in 1 2 3; do echo line$i; "
                                                            "sleep 0.05; done; pwd; echo $TMPDIR"})
-    assert out["output"].split() == ["line1", "line2", "line3", str(box.workdir), str(box.tmp)]
+    # Confined, the workdir and temp area are /workspace and /tmp inside.
+    inside = ["/workspace", "/tmp"] if mode == "bwrap" else [str(box.workdir), str(box.tmp)]
+    assert out["output"].split() == ["line1", "line2", "line3", *inside]
     assert out["exit_code"] == 0 and not out["timed_out"]
     big = await sandbox_tools.run_command(ctx, {"command": "head -c 200000 /dev/zero | tr '\\\\0' x"})
     assert big["truncated"] and len(big["output"]) == sandbox_tools.MAX_OUTPUT

@@ -14,6 +14,7 @@ import logging
 import uuid
 from typing import Any
 
+import msgspec
 import psycopg
 
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
@@ -25,7 +26,7 @@ from yuxi.errors import LeaseLost, YuxiError
 from yuxi.runtime.graph import build_graph
 from yuxi.runtime.models import build_chat_model
 from yuxi.runtime.saver import checkpoint_connection
-from yuxi.runtime import cooperation, questions, sandbox_tools  # noqa: F401  (tool registration)
+from yuxi.runtime import confine, cooperation, questions, sandbox_tools  # noqa: F401  (tool registration)
 from yuxi.runtime.tools import ToolContext, available_tools
 from yuxi.services import resources, runs, sandbox
 from yuxi.settings import Settings
@@ -256,6 +257,7 @@ class RunExecutor:
         self.pool = pool
         self.checkpoint_pool = checkpoint_pool
         self.max_continued_turns = max_continued_turns
+        self.jail = confine.for_settings(settings)
 
     async def execute(self, run_id: uuid.UUID) -> str:
         """Execute a run, then the session's next queued turns handed to this
@@ -348,8 +350,9 @@ class RunExecutor:
         if any(t.group == "sandbox" for t in available_tools(selected_tools(run["config"]),
                                                             visible).values()):
             # The run holds the tree's sandbox while it executes.
-            box = await sandbox.claim(self.pool, self.settings.data_dir, run["id"], token,
-                                      run["tree_id"])
+            box = msgspec.structs.replace(
+                await sandbox.claim(self.pool, self.settings.data_dir, run["id"], token,
+                                    run["tree_id"]), jail=self.jail)
         try:
             # `conn` is marked with this run's lease (by its start or by the
             # completion that handed it over).

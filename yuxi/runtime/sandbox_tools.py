@@ -1,6 +1,8 @@
 """Tools over the tree's shared workdir and sandbox: read_file, write_file,
 list_files (paths confined to the workdir) and run_command (a shell command
-in the sandbox: the workdir as cwd, the sandbox temp area as $TMPDIR).
+in the sandbox: the workdir as cwd and $HOME, the sandbox temp area as
+$TMPDIR). Where they run is yuxi.runtime.confine's: inside the tree's
+bubblewrap sandbox, or on the host when the operator opted out.
 
 They belong to the tool group `sandbox` (a grant the run must see when it
 starts); write_file and run_command are side effects: they ask first in
@@ -12,10 +14,10 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from pathlib import Path, PurePosixPath
 from typing import Any
 
 from yuxi import db
+from yuxi.runtime import confine
 from yuxi.runtime.tools import Tool, ToolContext, ToolError, register
 from yuxi.services import runs
 
@@ -25,22 +27,18 @@ DEFAULT_TIMEOUT = 30.0
 MAX_TIMEOUT = 600.0
 
 
-def confined(ctx: ToolContext, raw: Any) -> Path:
-    """The path inside the workdir that `raw` names; absolute paths, `..`
-    and symlinks leading out are refused."""
+def _box(ctx: ToolContext) -> Any:
     if ctx.sandbox is None:
         raise ToolError("no_sandbox", "this run has no sandbox")
+    return ctx.sandbox
+
+
+def _path_arg(raw: Any) -> str:
+    """A path argument as the model gave it; where it leads is checked
+    where it is used (on the host, or by the agent inside the sandbox)."""
     if not isinstance(raw, str) or not raw.strip():
         raise ToolError("invalid_arguments", "path must be a non-empty string")
-    relative = PurePosixPath(raw)
-    if relative.is_absolute() or ".." in relative.parts:
-        raise ToolError("path_outside_workdir",
-                        f"{raw!r}: use a path relative to the workdir, without '..'")
-    root = ctx.sandbox.workdir.resolve()
-    target = (root / relative).resolve()
-    if target != root and root not in target.parents:
-        raise ToolError("path_outside_workdir", f"{raw!r} leads outside the workdir")
-    return target
+    return raw
 
 
 async def _effect_checks(ctx: ToolContext) -> None:
@@ -53,31 +51,58 @@ async def _effect_checks(ctx: ToolContext) -> None:
                 "kind": "tool_group", "name": "sandbox"})
 
 
+def _recorder(ctx: ToolContext, box: Any):
+    """Records a process group of the sandbox (killed at its release),
+    fenced by the run's lease."""
+    async def record(pid: int, command: str) -> None:
+        async with ctx.pool.connection() as conn:
+            await db.execute(conn, "record_sandbox_process", {
+                "generation": box.generation, "pid": pid, "run_id": ctx.run_id,
+                "token": ctx.token, "command": command})
+    return record
+
+
+async def _agent(ctx: ToolContext, box: Any, request: dict[str, Any], **kw: Any) -> Any:
+    return await box.jail.call(box, request, _recorder(ctx, box), **kw)
+
+
 async def read_file(ctx: ToolContext, args: dict[str, Any]) -> Any:
-    path = confined(ctx, args.get("path"))
+    box, raw = _box(ctx), _path_arg(args.get("path"))
+    if box.jail.confined:
+        reply = await _agent(ctx, box, {"op": "read_file", "path": raw, "max_bytes": MAX_READ})
+        return {"path": raw, **reply}
+    path = confine.host_path(box, raw)
     if not path.is_file():
-        raise ToolError("not_found", f"no file {args.get('path')!r} in the workdir")
+        raise ToolError("not_found", f"no file {raw!r} in the workdir")
     data = path.read_bytes()[:MAX_READ]
-    return {"path": args["path"], "content": data.decode(errors="replace"),
+    return {"path": raw, "content": data.decode(errors="replace"),
             "truncated": path.stat().st_size > MAX_READ}
 
 
 async def write_file(ctx: ToolContext, args: dict[str, Any]) -> Any:
-    path = confined(ctx, args.get("path"))
+    box, raw = _box(ctx), _path_arg(args.get("path"))
     content = args.get("content", "")
     if not isinstance(content, str):
         raise ToolError("invalid_arguments", "content must be a string")
+    path = None if box.jail.confined else confine.host_path(box, raw)
     await _effect_checks(ctx)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(content)
-    return {"path": args["path"], "bytes": len(content.encode())}
+    if path is None:
+        await _agent(ctx, box, {"op": "write_file", "path": raw, "content": content})
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(content)
+    return {"path": raw, "bytes": len(content.encode())}
 
 
 async def list_files(ctx: ToolContext, args: dict[str, Any]) -> Any:
-    path = confined(ctx, args.get("path") or ".")
+    box = _box(ctx)
+    raw = args.get("path") or "."
+    if box.jail.confined:
+        return await _agent(ctx, box, {"op": "list_files", "path": _path_arg(raw)})
+    path = confine.host_path(box, raw)
     if not path.is_dir():
         raise ToolError("not_found", f"no directory {args.get('path')!r} in the workdir")
-    root = ctx.sandbox.workdir.resolve()
+    root = box.workdir.resolve()
     return {"files": sorted(str(p.relative_to(root)) + ("/" if p.is_dir() else "")
                             for p in path.iterdir())}
 
@@ -99,12 +124,41 @@ async def run_command(ctx: ToolContext, args: dict[str, Any]) -> Any:
     timeout = args.get("timeout_s", DEFAULT_TIMEOUT)
     if not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout <= 0:
         raise ToolError("invalid_arguments", "timeout_s must be a positive number")
-    if ctx.sandbox is None:
-        raise ToolError("no_sandbox", "this run has no sandbox")
+    box = _box(ctx)
+    if (why := box.jail.unavailable_reason()) is not None:
+        raise confine.unavailable(why)
     await _effect_checks(ctx)
-    box = ctx.sandbox
-    env = {**os.environ, "TMPDIR": str(box.tmp), "HOME": str(box.workdir)}
-    if args.get("background"):
+    timeout = min(float(timeout), MAX_TIMEOUT)
+    cancelled = False
+
+    async def stop() -> bool:
+        nonlocal cancelled
+        cancelled = await runs.cancel_requested(ctx.pool, ctx.run["turn_id"])
+        return cancelled  # stop only this turn's own command
+
+    if box.jail.confined:
+        request = {"command": command, "env": box.jail.env(), "limits": box.jail.limits()}
+        if args.get("background"):
+            reply = await _agent(ctx, box, {"op": "background", **request})
+            return {"pid": reply["pid"], "background": True}
+        # The agent times the command out; the worker's own deadline only
+        # covers an agent that stopped answering.
+        deadline = asyncio.get_running_loop().time() + timeout + 10
+        reply = await _agent(ctx, box, {"op": "run", "timeout": timeout,
+                                        "max_output": MAX_OUTPUT, **request},
+                             stop=stop, deadline=deadline)
+        if reply is None:
+            return {"exit_code": None, "output": "", "truncated": False,
+                    "timed_out": not cancelled, "cancelled": cancelled}
+        return {**reply, "cancelled": False}
+    return await _run_on_host(ctx, box, command, timeout, bool(args.get("background")), stop)
+
+
+async def _run_on_host(ctx: ToolContext, box: Any, command: str, timeout: float,
+                       background: bool, stop: Any) -> Any:
+    """YUXI_SANDBOX=host: the command runs as the worker (unsafe)."""
+    env = box.jail.env(box)
+    if background:
         # Detached on purpose: it outlives this call (and this worker) in its
         # own session, re-parented to init; asyncio would kill a child it
         # still tracks. The sandbox release kills its process group.
@@ -112,10 +166,7 @@ async def run_command(ctx: ToolContext, args: dict[str, Any]) -> Any:
             "sh", "-c", 'setsid sh -c "$1" </dev/null >/dev/null 2>&1 & echo $!', "sh", command,
             cwd=box.workdir, env=env, stdout=asyncio.subprocess.PIPE)
         pid = int((await launcher.communicate())[0].decode().strip())
-        async with ctx.pool.connection() as conn:
-            await db.execute(conn, "record_sandbox_process", {
-                "generation": box.generation, "pid": pid, "run_id": ctx.run_id,
-                "token": ctx.token, "command": command})
+        await _recorder(ctx, box)(pid, command)
         return {"pid": pid, "background": True}
     proc = await asyncio.create_subprocess_shell(
         command, cwd=box.workdir, env=env, start_new_session=True,
@@ -123,7 +174,7 @@ async def run_command(ctx: ToolContext, args: dict[str, Any]) -> Any:
         stderr=asyncio.subprocess.STDOUT)
     reader = asyncio.create_task(_read_bounded(proc.stdout))
     ended = timed_out = cancelled = False
-    deadline = asyncio.get_running_loop().time() + min(float(timeout), MAX_TIMEOUT)
+    deadline = asyncio.get_running_loop().time() + timeout
     try:
         while not ended:
             try:
@@ -132,8 +183,8 @@ async def run_command(ctx: ToolContext, args: dict[str, Any]) -> Any:
             except TimeoutError:
                 if asyncio.get_running_loop().time() >= deadline:
                     timed_out = True
-                elif await runs.cancel_requested(ctx.pool, ctx.run["turn_id"]):
-                    cancelled = True  # stop only this turn's own command
+                elif await stop():
+                    cancelled = True
                 if timed_out or cancelled:
                     break
     finally:

@@ -19,6 +19,7 @@ import signal
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 from psycopg_pool import AsyncConnectionPool
@@ -39,6 +40,8 @@ class Sandbox(msgspec.Struct, frozen=True):
     generation: int
     workdir: Path
     tmp: Path
+    # Where the tree's commands run (yuxi.runtime.confine), set by the worker.
+    jail: Any = None
 
 
 def locate(data_dir: str | Path, tree_id: uuid.UUID, generation: int) -> Sandbox:

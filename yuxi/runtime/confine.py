@@ -1,0 +1,299 @@
+"""Where a tree's commands and file operations run: confined (bubblewrap,
+the default) or, when an operator opts out with YUXI_SANDBOX=host, on the
+worker's host as the worker itself (unsafe: see docs/sandbox.md).
+
+Confined, a sandbox generation has one long-lived holder: `bwrap` with new
+user, pid, network, mount, ipc and uts namespaces running the agent of
+yuxi.runtime.sandbox_agent. The worker gives it a listening unix socket
+(`<generation>/agent.sock`, outside everything the sandbox can see) and
+sends each command or file operation over it, so every member of the tree
+shares one network namespace and one /proc, and none of them reaches the
+host's loopback (PostgreSQL, the API), its files, or the worker's
+environment. The holder's process group is recorded like a background
+process: the idle release kills it, and with it the whole pid namespace.
+
+Any worker process of the host reaches a generation's agent through its
+socket; the one that finds none answering starts a new holder, under a
+file lock so two workers never start two.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+from collections.abc import Awaitable, Callable
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from yuxi.runtime.tools import ToolError
+from yuxi.settings import Settings
+
+AGENT_SOURCE = (Path(__file__).parent / "sandbox_agent.py").read_text()
+# Inside the sandbox: the workdir, the temp area, the sandbox user.
+WORKDIR = "/workspace"
+TMPDIR = "/tmp"
+UID = 1000
+# The system's directories, read-only, so installed interpreters and tools
+# work; of /etc only what programs need to run (never shadow, ssl keys, the
+# host's database or pip configuration).
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+ETC_ENTRIES = ("alternatives", "ca-certificates", "ssl/certs", "localtime", "timezone",
+               "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "nsswitch.conf", "mime.types",
+               "protocols", "services", "bash.bashrc", "inputrc", "profile", "debian_version",
+               "os-release", "magic", "magic.mime", "python3", "python3.11", "python3.12",
+               "python3.13", "gai.conf", "host.conf", "locale.alias")
+# A reply may escape every byte of 256 KiB of output (JSON's \uXXXX).
+MAX_REPLY = 8 * 1024 * 1024
+
+Record = Callable[[int, str], Awaitable[None]]
+StopCheck = Callable[[], Awaitable[bool]]
+
+
+def unavailable(message: str) -> ToolError:
+    return ToolError("sandbox_unavailable", message)
+
+
+@contextlib.contextmanager
+def _short(path: Path):
+    """`path` usable as a unix socket address: sun_path holds 107 bytes, a
+    data dir deep in a tree does not, so a long one goes through the
+    directory's descriptor (/proc/self/fd/N/name)."""
+    if len(os.fsencode(path)) < 100:
+        yield str(path)
+        return
+    fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY)
+    try:
+        yield f"/proc/self/fd/{fd}/{path.name}"
+    finally:
+        os.close(fd)
+
+
+class Bubblewrap:
+    """Confined sandboxes: one bwrap holder and agent per generation."""
+
+    confined = True
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.bwrap = shutil.which(settings.sandbox_bwrap)
+        self.python = settings.sandbox_python
+
+    def unavailable_reason(self) -> str | None:
+        if self.bwrap is None:
+            return (f"bubblewrap ({self.settings.sandbox_bwrap!r}) is not installed on this "
+                    "worker host: install the 'bubblewrap' package (make setup does), or set "
+                    "YUXI_SANDBOX=host to run commands unconfined (unsafe)")
+        if not os.access(self.python, os.X_OK):
+            return f"{self.python} (the sandbox agent's interpreter) is missing on this host"
+        if self.settings.sandbox_network == "outbound" and shutil.which("slirp4netns") is None:
+            return "YUXI_SANDBOX_NETWORK=outbound needs slirp4netns, which is not installed"
+        return None
+
+    def env(self) -> dict[str, str]:
+        """The allow-list: nothing of the worker's environment but its locale."""
+        return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": WORKDIR, "TMPDIR": TMPDIR,
+                "TERM": self.settings.sandbox_term, "USER": "sandbox",
+                **self.settings.sandbox_locale}
+
+    def limits(self) -> dict[str, int]:
+        s = self.settings
+        return {"cpu_seconds": s.sandbox_cpu_seconds,
+                "memory_bytes": s.sandbox_memory_mb * 1024 * 1024,
+                "processes": s.sandbox_processes,
+                "file_bytes": s.sandbox_file_mb * 1024 * 1024}
+
+    # -- the holder -----------------------------------------------------------
+
+    def _arguments(self, box: Any, etc: Path, info_fd: int, sock_fd: int) -> list[str]:
+        args = [self.bwrap, "--unshare-all", "--unshare-user", "--uid", str(UID),
+                "--gid", str(UID), "--cap-drop", "ALL", "--new-session",
+                "--hostname", "sandbox", "--proc", "/proc", "--dev", "/dev",
+                "--bind", str(box.workdir), WORKDIR, "--bind", str(box.tmp), TMPDIR,
+                "--chdir", WORKDIR, "--clearenv", "--setenv", "PATH", "/usr/bin:/bin",
+                "--info-fd", str(info_fd)]
+        for d in SYSTEM_DIRS:
+            if os.path.islink(d):
+                args += ["--symlink", os.readlink(d), d]
+            elif os.path.isdir(d):
+                args += ["--ro-bind", d, d]
+        for name in ETC_ENTRIES:
+            if os.path.exists(f"/etc/{name}"):
+                args += ["--ro-bind", f"/etc/{name}", f"/etc/{name}"]
+        for name in ("passwd", "group", "hosts", "resolv.conf"):
+            args += ["--ro-bind", str(etc / name), f"/etc/{name}"]
+        return args + ["--", self.python, "-I", "-S", "-c", AGENT_SOURCE, str(sock_fd)]
+
+    def _write_etc(self, etc: Path) -> None:
+        """The sandbox's own user, hosts and resolver (slirp4netns' DNS)."""
+        etc.mkdir(exist_ok=True)
+        (etc / "passwd").write_text(f"root:x:0:0::/:/usr/sbin/nologin\n"
+                                    f"sandbox:x:{UID}:{UID}::{WORKDIR}:/bin/sh\n"
+                                    "nobody:x:65534:65534::/nonexistent:/usr/sbin/nologin\n")
+        (etc / "group").write_text(f"root:x:0:\nsandbox:x:{UID}:\nnogroup:x:65534:\n")
+        (etc / "hosts").write_text("127.0.0.1 localhost sandbox\n::1 localhost\n")
+        (etc / "resolv.conf").write_text("nameserver 10.0.2.3\n")
+
+    def _start_holder(self, box: Any) -> list[tuple[int, str]]:
+        """Start the generation's holder unless one answers; returns the
+        process groups to record (killed at release). Blocking: call it in
+        a thread."""
+        home = Path(box.tmp).parent
+        with open(home / "holder.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if _answers(home / "agent.sock"):
+                return []
+            (home / "agent.sock").unlink(missing_ok=True)
+            self._write_etc(home / "etc")
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            with _short(home / "agent.sock") as address:
+                listener.bind(address)
+            listener.listen(64)
+            info_r, info_w = os.pipe()
+            try:
+                # Detached (a session of its own, re-parented to init): the
+                # holder outlives this worker (the release kills the
+                # namespace's init, see below).
+                subprocess.run(
+                    ["/bin/sh", "-c", 'log=$1; shift; setsid "$@" </dev/null >>"$log" 2>&1 &',
+                     "sh", str(home / "holder.log"),
+                     *self._arguments(box, home / "etc", info_w, listener.fileno())],
+                    pass_fds=(info_w, listener.fileno()), stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL, check=True)
+            finally:
+                os.close(info_w)
+                listener.close()
+            with os.fdopen(info_r, "rb") as info:
+                raw = info.read()  # until bwrap closes it: the sandbox is set up
+            if not raw:
+                why = (home / "holder.log").read_text(errors="replace").strip()[-500:]
+                raise unavailable(f"bubblewrap could not create the sandbox: {why or 'no reason given'}")
+            # The namespace's init leads a process group of its own: killing
+            # it ends every process of the pid namespace (bwrap's outer
+            # process then exits by itself).
+            child = json.loads(raw)["child-pid"]
+            started = [(child, "(sandbox holder: bwrap)")]
+            if self.settings.sandbox_network == "outbound":
+                net = subprocess.run(
+                    ["/bin/sh", "-c", 'setsid "$@" </dev/null >/dev/null 2>&1 & echo $!', "sh",
+                     "slirp4netns", "--configure", "--mtu=65520", "--disable-host-loopback",
+                     str(child), "tap0"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                    check=True)
+                started.append((int(net.stdout.decode().strip()),
+                                "(sandbox network: slirp4netns)"))
+            return started
+
+    # -- requests -------------------------------------------------------------
+
+    async def _connect(self, box: Any, record: Record):
+        """A connection to the generation's agent, starting it if needed."""
+        if (why := self.unavailable_reason()) is not None:
+            raise unavailable(why)
+        path = Path(box.tmp).parent / "agent.sock"
+        for attempt in range(2):
+            try:
+                with _short(path) as address:
+                    return await asyncio.open_unix_connection(address, limit=MAX_REPLY)
+            except (FileNotFoundError, ConnectionRefusedError):
+                if attempt:
+                    raise unavailable("the sandbox agent does not answer") from None
+            for pid, what in await asyncio.to_thread(self._start_holder, box):
+                await record(pid, what)
+        raise AssertionError("unreachable")
+
+    async def call(self, box: Any, request: dict[str, Any], record: Record,
+                   stop: StopCheck | None = None, deadline: float | None = None
+                   ) -> dict[str, Any] | None:
+        """Send one request; None when `stop` said so or `deadline` passed
+        first (closing the connection makes the agent kill the command)."""
+        reader, writer = await self._connect(box, record)
+        loop = asyncio.get_running_loop()
+        try:
+            writer.write(json.dumps(request).encode() + b"\n")
+            await writer.drain()
+            reply = asyncio.ensure_future(reader.readline())
+            while True:
+                try:
+                    line = await asyncio.wait_for(asyncio.shield(reply), timeout=0.5)
+                    break
+                except TimeoutError:
+                    if (deadline is not None and loop.time() >= deadline) or (
+                            stop is not None and await stop()):
+                        reply.cancel()
+                        return None
+        except (ConnectionError, ValueError, asyncio.LimitOverrunError) as exc:
+            raise ToolError("sandbox_error", f"the sandbox agent failed: {exc}") from None
+        finally:
+            writer.close()
+        if not line:
+            raise ToolError("sandbox_error", "the sandbox agent closed the connection")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise ToolError(answer["error"]["code"], answer["error"]["message"])
+        return answer
+
+
+def _answers(path: Path) -> bool:
+    """Whether an agent listens on `path` (it accepts; a dead holder's
+    socket refuses)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        with _short(path) as address:
+            s.connect(address)
+        s.sendall(b'{"op": "ping"}\n')
+        s.settimeout(5)
+        return s.recv(64).startswith(b'{"ok"')
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+class Host:
+    """YUXI_SANDBOX=host: commands run on the worker's host, as the worker,
+    with its environment (the behaviour before confinement; unsafe)."""
+
+    confined = False
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+
+    def unavailable_reason(self) -> str | None:
+        return None
+
+    def env(self, box: Any) -> dict[str, str]:
+        # The opt-out is explicit: the operator accepted that a model's
+        # commands see everything the worker sees.
+        return {**os.environ, "TMPDIR": str(box.tmp), "HOME": str(box.workdir)}
+
+
+def host_path(box: Any, raw: Any) -> Path:
+    """The path inside the workdir that `raw` names on the host; absolute
+    paths, `..` and symlinks leading out are refused (host mode only:
+    confined, the agent resolves paths inside the sandbox)."""
+    if not isinstance(raw, str) or not raw.strip():
+        raise ToolError("invalid_arguments", "path must be a non-empty string")
+    relative = PurePosixPath(raw)
+    if relative.is_absolute() or ".." in relative.parts:
+        raise ToolError("path_outside_workdir",
+                        f"{raw!r}: use a path relative to the workdir, without '..'")
+    root = box.workdir.resolve()
+    target = (root / relative).resolve()
+    if target != root and root not in target.parents:
+        raise ToolError("path_outside_workdir", f"{raw!r} leads outside the workdir")
+    return target
+
+
+def for_settings(settings: Settings) -> Bubblewrap | Host:
+    return Host(settings) if settings.sandbox == "host" else Bubblewrap(settings)
+
+
+def kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
