@@ -49,6 +49,9 @@ ETC_ENTRIES = ("alternatives", "ca-certificates", "ssl/certs", "localtime", "tim
                "protocols", "services", "bash.bashrc", "inputrc", "profile", "debian_version",
                "os-release", "magic", "magic.mime", "python3", "python3.11", "python3.12",
                "python3.13", "gai.conf", "host.conf", "locale.alias")
+# bwrap's own environment: its init inside the sandbox keeps it (readable
+# in /proc/1/environ there), so it never gets the worker's.
+LAUNCH_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin"}
 # A reply may escape every byte of 256 KiB of output (JSON's \uXXXX).
 MAX_REPLY = 8 * 1024 * 1024
 
@@ -165,7 +168,7 @@ class Bubblewrap:
                      "sh", str(home / "holder.log"),
                      *self._arguments(box, home / "etc", info_w, listener.fileno())],
                     pass_fds=(info_w, listener.fileno()), stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL, check=True)
+                    stdout=subprocess.DEVNULL, check=True, env=LAUNCH_ENV)
             finally:
                 os.close(info_w)
                 listener.close()
@@ -184,7 +187,7 @@ class Bubblewrap:
                     ["/bin/sh", "-c", 'setsid "$@" </dev/null >/dev/null 2>&1 & echo $!', "sh",
                      "slirp4netns", "--configure", "--mtu=65520", "--disable-host-loopback",
                      str(child), "tap0"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                    check=True)
+                    check=True, env=LAUNCH_ENV)
                 started.append((int(net.stdout.decode().strip()),
                                 "(sandbox network: slirp4netns)"))
             return started
