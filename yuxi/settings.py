@@ -43,6 +43,8 @@ class Settings(msgspec.Struct, frozen=True):
     sandbox_memory_mb: int = 4096
     sandbox_processes: int = 256
     sandbox_file_mb: int = 1024
+    # The host user a root worker runs sandboxes as (never root itself).
+    sandbox_uid: int = 65534
     # The worker's locale and terminal, the only variables passed inside.
     sandbox_locale: dict[str, str] = {}
     sandbox_term: str = "dumb"
@@ -71,6 +73,7 @@ class Settings(msgspec.Struct, frozen=True):
                 sandbox_memory_mb=_positive(env, "YUXI_SANDBOX_MEMORY_MB", 4096),
                 sandbox_processes=_positive(env, "YUXI_SANDBOX_PROCESSES", 256),
                 sandbox_file_mb=_positive(env, "YUXI_SANDBOX_FILE_MB", 1024),
+                sandbox_uid=_positive(env, "YUXI_SANDBOX_UID", 65534),
                 sandbox_locale={k: v for k, v in env.items()
                                 if k == "LANG" or k.startswith("LC_")},
                 sandbox_term=env.get("TERM", "dumb"),

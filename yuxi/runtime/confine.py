@@ -114,13 +114,43 @@ class Bubblewrap:
 
     # -- the holder -----------------------------------------------------------
 
-    def _arguments(self, box: Any, etc: Path, info_fd: int, sock_fd: int) -> list[str]:
-        args = [self.bwrap, "--unshare-all", "--unshare-user", "--uid", str(UID),
-                "--gid", str(UID), "--cap-drop", "ALL", "--new-session",
-                "--hostname", "sandbox", "--proc", "/proc", "--dev", "/dev",
-                "--bind", str(box.workdir), WORKDIR, "--bind", str(box.tmp), TMPDIR,
-                "--chdir", WORKDIR, "--clearenv", "--setenv", "PATH", "/usr/bin:/bin",
-                "--info-fd", str(info_fd)]
+    def _etc_files(self) -> dict[str, bytes]:
+        """The sandbox's own user, hosts and resolver (slirp4netns' DNS)."""
+        return {
+            "passwd": (f"root:x:0:0::/:/usr/sbin/nologin\n"
+                       f"sandbox:x:{UID}:{UID}::{WORKDIR}:/bin/sh\n"
+                       "nobody:x:65534:65534::/nonexistent:/usr/sbin/nologin\n").encode(),
+            "group": f"root:x:0:\nsandbox:x:{UID}:\nnogroup:x:65534:\n".encode(),
+            "hosts": b"127.0.0.1 localhost sandbox\n::1 localhost\n",
+            "resolv.conf": b"nameserver 10.0.2.3\n",
+        }
+
+    def _arguments(self, fds: dict[str, int], box: Any, info_fd: int, sock_fd: int
+                   ) -> list[str]:
+        """bwrap's command line.
+
+        A root worker runs bwrap privileged (new pid, network, mount, ipc and
+        uts namespaces) and the agent as an unprivileged host user (setpriv:
+        no capabilities, no new privileges) in a user namespace of its own:
+        root-owned host files stay out of reach even where mounted, and the
+        kernel enforces the process limit (it exempts root's processes). A
+        worker that is not root runs bwrap unprivileged, with a user
+        namespace of its own from the start."""
+        if os.geteuid() == 0:
+            uid = str(self.settings.sandbox_uid)
+            args = [self.bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net",
+                    "--unshare-uts", "--unshare-cgroup-try"]
+            agent = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
+                     "--bounding-set=-all", "--inh-caps=-all", "--no-new-privs", "--",
+                     "unshare", "--user", f"--map-user={UID}", f"--map-group={UID}", "--"]
+        else:
+            args = [self.bwrap, "--unshare-all", "--unshare-user", "--uid", str(UID),
+                    "--gid", str(UID), "--cap-drop", "ALL"]
+            agent = []
+        args += ["--new-session", "--hostname", "sandbox", "--proc", "/proc", "--dev", "/dev",
+                 "--bind", str(box.workdir), WORKDIR, "--bind", str(box.tmp), TMPDIR,
+                 "--chdir", WORKDIR, "--clearenv", "--setenv", "PATH", "/usr/bin:/bin",
+                 "--info-fd", str(info_fd)]
         for d in SYSTEM_DIRS:
             if os.path.islink(d):
                 args += ["--symlink", os.readlink(d), d]
@@ -129,32 +159,32 @@ class Bubblewrap:
         for name in ETC_ENTRIES:
             if os.path.exists(f"/etc/{name}"):
                 args += ["--ro-bind", f"/etc/{name}", f"/etc/{name}"]
-        for name in ("passwd", "group", "hosts", "resolv.conf"):
-            args += ["--ro-bind", str(etc / name), f"/etc/{name}"]
-        return args + ["--", self.python, "-I", "-S", "-c", AGENT_SOURCE, str(sock_fd)]
-
-    def _write_etc(self, etc: Path) -> None:
-        """The sandbox's own user, hosts and resolver (slirp4netns' DNS)."""
-        etc.mkdir(exist_ok=True)
-        (etc / "passwd").write_text(f"root:x:0:0::/:/usr/sbin/nologin\n"
-                                    f"sandbox:x:{UID}:{UID}::{WORKDIR}:/bin/sh\n"
-                                    "nobody:x:65534:65534::/nonexistent:/usr/sbin/nologin\n")
-        (etc / "group").write_text(f"root:x:0:\nsandbox:x:{UID}:\nnogroup:x:65534:\n")
-        (etc / "hosts").write_text("127.0.0.1 localhost sandbox\n::1 localhost\n")
-        (etc / "resolv.conf").write_text("nameserver 10.0.2.3\n")
+        for name in self._etc_files():
+            args += ["--ro-bind-data", str(fds[name]), f"/etc/{name}"]
+        return [*args, "--", *agent, self.python, "-I", "-S", "-c", AGENT_SOURCE, str(sock_fd)]
 
     def _start_holder(self, box: Any) -> list[tuple[int, str]]:
         """Start the generation's holder unless one answers; returns the
         process groups to record (killed at release). Blocking: call it in
         a thread."""
         home = Path(box.tmp).parent
-        with open(home / "holder.lock", "w") as lock:
+        with open(home / "holder.lock", "w") as lock, contextlib.ExitStack() as fds:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if _answers(home / "agent.sock"):
                 return []
             (home / "agent.sock").unlink(missing_ok=True)
-            self._write_etc(home / "etc")
+            if os.geteuid() == 0:
+                for d in (box.workdir, box.tmp):
+                    os.chown(d, self.settings.sandbox_uid, self.settings.sandbox_uid)
+            opened: dict[str, int] = {}
+            for name, content in self._etc_files().items():
+                r, w = os.pipe()  # a few bytes: the pipe holds them
+                os.write(w, content)
+                os.close(w)
+                opened[name] = r
+                fds.callback(os.close, r)
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            fds.callback(listener.close)
             with _short(home / "agent.sock") as address:
                 listener.bind(address)
             listener.listen(64)
@@ -166,12 +196,12 @@ class Bubblewrap:
                 subprocess.run(
                     ["/bin/sh", "-c", 'log=$1; shift; setsid "$@" </dev/null >>"$log" 2>&1 &',
                      "sh", str(home / "holder.log"),
-                     *self._arguments(box, home / "etc", info_w, listener.fileno())],
-                    pass_fds=(info_w, listener.fileno()), stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL, check=True, env=LAUNCH_ENV)
+                     *self._arguments(opened, box, info_w, listener.fileno())],
+                    pass_fds=(info_w, listener.fileno(), *opened.values()),
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, check=True,
+                    env=LAUNCH_ENV)
             finally:
                 os.close(info_w)
-                listener.close()
             with os.fdopen(info_r, "rb") as info:
                 raw = info.read()  # until bwrap closes it: the sandbox is set up
             if not raw:
