@@ -58,7 +58,7 @@ async def test_cancel_waiting_turn_pauses_queue_until_continue(
             # An answer that comes after the cancel is refused.
             late = await http.post(f"/api/turns/{asking['turn_id']}/answer",
                                    json={"answers": {"pick": "y"}})
-            assert late.status_code == 409
+            assert late.status_code == 409 and late.json()["code"] == "illegal_transition"
             # Continue: the head runs; the cancelled turn stays cancelled.
             resumed = ok(await http.post(f"/api/sessions/{sid}/queue/continue"))
             assert resumed["queue"]["paused"] is False
