@@ -5,6 +5,33 @@
 -- to `cancelling`: its checkpoint is cleaned by the `cleanup_turn` job (the
 -- checkpoint-only graph, three commits, each safe to retry), then
 -- finish_cancel_v1 ends it `cancelled`.
+--
+-- A paused queue (sessions.queue_paused) keeps its queued turns queued until
+-- "continue". Two things pause it, both through pause_queue_v1 and both in
+-- the transaction that records their cancel intents: "stop all" (every
+-- member) and the cancel of a turn that was waiting (`waiting` or
+-- `waiting_user`: the person is reconsidering, so the work queued behind it
+-- must not start on its own). Only continue_queue_v1 opens it again; the
+-- cleanup never touches it, so a continue that commits while the turn is
+-- still `cancelling` stands.
+
+-- Pause a session's queue. Emits `queue.paused` ({reason}) when it was open;
+-- returns whether it was. Caller holds the tree.
+CREATE FUNCTION yuxi.pause_queue_v1(p_session uuid, p_turn uuid, p_reason text) RETURNS boolean
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_tree uuid;
+BEGIN
+    UPDATE yuxi.sessions SET queue_paused = true WHERE id = p_session AND NOT queue_paused
+    RETURNING tree_id INTO v_tree;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    PERFORM yuxi.emit_event_v1(v_tree, p_session, p_turn, NULL, 'queue.paused',
+                               jsonb_build_object('reason', p_reason));
+    RETURN true;
+END;
+$$;
 
 -- Defer the cleanup job of a cancelling turn (one at a time per turn).
 CREATE FUNCTION yuxi.defer_cleanup_v1(p_turn uuid) RETURNS void
@@ -51,7 +78,13 @@ $$;
 -- Cancel exactly one turn (a user through the API, or a session through the
 -- cancel_turn tool; scope-checked: the turn must belong to `p_session` of the
 -- user and app). Returns what happened: cancelled, cancelling,
--- cancel_requested, or the status of a turn that had already ended.
+-- cancel_requested, or the status of a turn that had already ended. A turn
+-- found `waiting` or `waiting_user` (under the tree lock) also pauses its
+-- session's queue, in this transaction; a queued or running one does not.
+-- An answer and this cancel serialize on the tree row: the answer that
+-- commits first makes the turn `running` again (this is then a running
+-- turn's cancel, no pause); the cancel that commits first makes the answer
+-- fail with YX001.
 CREATE FUNCTION yuxi.cancel_turn_v1(p_user uuid, p_app uuid, p_session uuid, p_turn uuid)
 RETURNS text
     LANGUAGE plpgsql AS $$
@@ -87,6 +120,9 @@ BEGIN
         RETURN 'cancel_requested';
     END IF;
     PERFORM yuxi.enter_cancelling_v1(p_turn);
+    IF v_turn.status IN ('waiting', 'waiting_user') THEN
+        PERFORM yuxi.pause_queue_v1(v_turn.session_id, p_turn, 'cancel');
+    END IF;
     RETURN 'cancelling';
 END;
 $$;
@@ -146,12 +182,16 @@ CREATE FUNCTION yuxi.stop_tree_v1(p_user uuid, p_app uuid, p_session uuid) RETUR
     LANGUAGE plpgsql AS $$
 DECLARE
     v_session yuxi.sessions;
+    v_member uuid;
     v_turn yuxi.turns;
     v_count integer := 0;
 BEGIN
     v_session := yuxi.scoped_session_v1(p_session, p_user, p_app);
     PERFORM yuxi.lock_tree_v1(v_session.tree_id);
-    UPDATE yuxi.sessions SET queue_paused = true WHERE tree_id = v_session.tree_id;
+    FOR v_member IN SELECT id FROM yuxi.sessions WHERE tree_id = v_session.tree_id
+                     ORDER BY path LOOP
+        PERFORM yuxi.pause_queue_v1(v_member, NULL, 'stop');
+    END LOOP;
     FOR v_turn IN SELECT * FROM yuxi.turns
                    WHERE tree_id = v_session.tree_id
                      AND status IN ('running', 'waiting', 'waiting_user')

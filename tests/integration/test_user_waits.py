@@ -114,9 +114,12 @@ async def test_cancel_while_waiting_for_the_user(pool, checkpoint_pool, alice):
     assert (await sessions.get_turn(pool, scope, receipt.turn_id)).status == "cancelled"
     assert_paired(await conversation.messages(checkpoint_pool, session.id))
     assert await scalar(pool, "SELECT count(*) FROM yuxi.notes") == 0
-    # The session takes input again.
+    # The session takes input again; it waits in the queue the cancel paused
+    # (test_cancel_waiting_pauses.py) and starts on continue.
     nxt = await sessions.receive_input(pool, scope, session.id, content="again")
-    assert nxt.status == "started"
+    assert nxt.status == "queued"
+    await sessions.continue_queue(pool, scope, session.id)
+    assert (await sessions.get_input(pool, scope, nxt.input_id)).status == "started"
 
 
 async def test_a_failed_answer_leaves_the_turn_waiting_and_can_be_retried(
