@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup run test bench db-init worker serve clean
+.PHONY: help setup system-packages run test bench db-init worker serve clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) \
@@ -19,7 +19,21 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	@touch $@
 
-setup: $(STAMP) ## create .venv and install the project (only when needed)
+setup: system-packages $(STAMP) ## create .venv and install the project (only when needed)
+
+# The confined sandbox needs bubblewrap (and slirp4netns for
+# YUXI_SANDBOX_NETWORK=outbound); as root on Debian they are installed here,
+# elsewhere the missing ones are named (the sandbox tools refuse to run
+# without them: docs/sandbox.md).
+SYSTEM_PACKAGES := bwrap:bubblewrap slirp4netns:slirp4netns
+system-packages:
+	@missing=""; for pair in $(SYSTEM_PACKAGES); do \
+		command -v $${pair%%:*} >/dev/null || missing="$$missing $${pair#*:}"; done; \
+	if [ -n "$$missing" ]; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			echo "installing$$missing"; apt-get update -qq && \
+			DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+		else echo "yuxi: please install$$missing (the confined sandbox needs them)"; fi; fi
 
 run: setup ## set up the database (embedded if none) and run the API and a worker
 	$(BIN)/yuxi dev

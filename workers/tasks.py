@@ -18,7 +18,7 @@ from procrastinate import JobContext
 from workers.app import app, settings
 from yuxi import db
 from yuxi.heap import freeze_startup_heap
-from yuxi.runtime import cleanup
+from yuxi.runtime import cleanup, confine
 from yuxi.runtime.executor import RunExecutor
 from yuxi.services import runs, sandbox
 
@@ -96,6 +96,18 @@ async def recover_runs(context: JobContext, timestamp: int) -> dict[str, int]:
     return {"recovered": len(recovered), "stalled": len(list(stalled)),
             "redelivered": len(redelivered), "waits": waits, "cleanups": cleanups}
 
+
+def _announce_sandbox() -> None:
+    """Say at startup how this worker runs a tree's commands."""
+    if settings.sandbox == "host":
+        log.warning("YUXI_SANDBOX=host: sandbox commands run UNCONFINED on this host, as this "
+                    "worker, with its environment (database URL, provider keys): unsafe, "
+                    "see docs/sandbox.md")
+    elif (why := confine.for_settings(settings).unavailable_reason()) is not None:
+        log.warning("sandbox tools will be refused (sandbox_unavailable): %s", why)
+
+
+_announce_sandbox()
 
 # Everything the tasks run is imported now: keep the startup heap out of the
 # garbage collector's walks (yuxi.heap).

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import secrets
 import subprocess
 import warnings
 from pathlib import Path
 
 import psycopg
-from psycopg.conninfo import conninfo_to_dict
+import psycopg.sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from yuxi import db
 from yuxi.errors import DatabaseUnavailable, YuxiError
@@ -121,7 +124,44 @@ def start_embedded(data_dir: Path, dbname: str) -> tuple[str, object]:
             f"could not start the embedded PostgreSQL in {data_dir} "
             f"({type(exc).__name__}); see {data_dir / 'log'}"
         ) from exc
-    return server.get_uri(database=dbname), server
+    return _require_password(server, data_dir, dbname), server
+
+
+# The embedded server answers on a unix socket only; still, nothing but
+# Yuxi's own processes may log in: a generated password, kept beside (never
+# inside) the data and workdirs, replaces initdb's trust.
+HBA_MARK = "# Written by yuxi"
+HBA = (HBA_MARK + ": password logins only (the secret is in {secret}).\n"
+       "local all all scram-sha-256\n"
+       "host all all 127.0.0.1/32 scram-sha-256\n"
+       "host all all ::1/128 scram-sha-256\n")
+
+
+def secret_path(data_dir: Path) -> Path:
+    """`<dir>/<pgdata name>.secret`, next to the data directory."""
+    return data_dir.parent / f"{data_dir.name}.secret"
+
+
+def _require_password(server: object, data_dir: Path, dbname: str) -> str:
+    """The URL with the server's password, switching a fresh (trust) server
+    to password authentication on its first start."""
+    secret = secret_path(data_dir)
+    if not secret.exists():
+        fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32))
+    password = secret.read_text().strip()
+    params = conninfo_to_dict(server.get_uri(database=dbname))  # type: ignore[attr-defined]
+    hba = data_dir / "pg_hba.conf"
+    if not hba.read_text().startswith(HBA_MARK):
+        with psycopg.connect(make_conninfo(**{**params, "dbname": "postgres"}),
+                             autocommit=True) as conn:
+            conn.execute(psycopg.sql.SQL("ALTER ROLE {} PASSWORD {}").format(
+                psycopg.sql.Identifier(params.get("user") or "postgres"),
+                psycopg.sql.Literal(password)))
+            hba.write_text(HBA.format(secret=secret))
+            conn.execute("SELECT pg_reload_conf()")
+    return make_conninfo(**{**params, "password": password})
 
 
 def stop_server(server: object | None) -> None:

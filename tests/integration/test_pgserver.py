@@ -44,6 +44,13 @@ async def test_embedded_server_when_the_default_does_not_answer(tmp_path):
         assert await schema.ensure_database(url)  # created on the embedded server
         with psycopg.connect(url) as conn:
             assert conn.execute("SELECT 1").fetchone() == (1,)
+        # Password logins only, with the generated secret beside the data.
+        params = psycopg.conninfo.conninfo_to_dict(url)
+        secret = pgserver.secret_path(tmp_path / "pgdata")
+        assert params["password"] == secret.read_text() and secret.stat().st_mode & 0o077 == 0
+        without = psycopg.conninfo.make_conninfo(**{**params, "password": None})
+        with pytest.raises(psycopg.OperationalError, match="password"):
+            psycopg.connect(without).close()
     finally:
         pgserver.stop_server(server)
     assert not pgserver.server_answers(url)
