@@ -116,3 +116,21 @@ async def test_release_kills_the_namespace_and_keeps_the_workdir(pool, alice, tm
 
 def _alive(pattern: str) -> bool:
     return subprocess.run(["pgrep", "-f", pattern], capture_output=True).returncode == 0
+
+
+CONNECT = ("python3 -c \"import socket, sys\nfor host in sys.argv[1:]:\n try:\n"
+           "  socket.create_connection((host, 5432), 2); print(host, 'CONNECTED')\n"
+           " except OSError as e: print(host, e)\" 127.0.0.1 10.0.2.2; cat /proc/net/dev")
+
+
+async def test_outbound_network_keeps_the_host_loopback_out(pool, alice, tmp_path, monkeypatch):
+    ctx, box = await _context(pool, alice, tmp_path, sandbox_network="outbound")
+    out = (await sandbox_tools.run_command(ctx, {"command": CONNECT}))["output"]
+    # The tree has an interface to the outside, and no way to the host's
+    # PostgreSQL: not its own 127.0.0.1, not slirp's alias of the host.
+    assert "tap0" in out and "CONNECTED" not in out, out
+    # The negative: without --disable-host-loopback, 10.0.2.2 is the host.
+    monkeypatch.setattr(confine, "SLIRP_ARGS", ["--configure", "--mtu=65520"])
+    ctx2, box2 = await _context(pool, alice, tmp_path / "other", sandbox_network="outbound")
+    out = (await sandbox_tools.run_command(ctx2, {"command": CONNECT}))["output"]
+    assert "10.0.2.2 CONNECTED" in out, out

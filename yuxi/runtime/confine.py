@@ -49,6 +49,8 @@ ETC_ENTRIES = ("alternatives", "ca-certificates", "ssl/certs", "localtime", "tim
                "protocols", "services", "bash.bashrc", "inputrc", "profile", "debian_version",
                "os-release", "magic", "magic.mime", "python3", "python3.11", "python3.12",
                "python3.13", "gai.conf", "host.conf", "locale.alias")
+# slirp4netns: NAT to the internet, never to the host's own loopback.
+SLIRP_ARGS = ["--configure", "--mtu=65520", "--disable-host-loopback"]
 # bwrap's own environment: its init inside the sandbox keeps it (readable
 # in /proc/1/environ there), so it never gets the worker's.
 LAUNCH_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin"}
@@ -189,6 +191,13 @@ class Bubblewrap:
                 listener.bind(address)
             listener.listen(64)
             info_r, info_w = os.pipe()
+            if self.settings.sandbox_network == "outbound":
+                # The agent holds the write end for the sandbox's lifetime:
+                # slirp4netns exits when it closes (see _start_network).
+                exit_fd, lifeline = os.pipe()
+                fds.callback(os.close, exit_fd)
+            else:
+                lifeline = None
             try:
                 # Detached (a session of its own, re-parented to init): the
                 # holder outlives this worker (the release kills the
@@ -197,11 +206,14 @@ class Bubblewrap:
                     ["/bin/sh", "-c", 'log=$1; shift; setsid "$@" </dev/null >>"$log" 2>&1 &',
                      "sh", str(home / "holder.log"),
                      *self._arguments(opened, box, info_w, listener.fileno())],
-                    pass_fds=(info_w, listener.fileno(), *opened.values()),
+                    pass_fds=(info_w, listener.fileno(), *opened.values(),
+                              *([lifeline] if lifeline is not None else [])),
                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, check=True,
                     env=LAUNCH_ENV)
             finally:
                 os.close(info_w)
+                if lifeline is not None:
+                    os.close(lifeline)
             with os.fdopen(info_r, "rb") as info:
                 raw = info.read()  # until bwrap closes it: the sandbox is set up
             if not raw:
@@ -213,14 +225,29 @@ class Bubblewrap:
             child = json.loads(raw)["child-pid"]
             started = [(child, "(sandbox holder: bwrap)")]
             if self.settings.sandbox_network == "outbound":
-                net = subprocess.run(
-                    ["/bin/sh", "-c", 'setsid "$@" </dev/null >/dev/null 2>&1 & echo $!', "sh",
-                     "slirp4netns", "--configure", "--mtu=65520", "--disable-host-loopback",
-                     str(child), "tap0"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                    check=True, env=LAUNCH_ENV)
-                started.append((int(net.stdout.decode().strip()),
+                started.append((self._start_network(child, exit_fd),
                                 "(sandbox network: slirp4netns)"))
             return started
+
+    def _start_network(self, child: int, exit_fd: int) -> int:
+        """Outbound internet for the holder's network namespace (user-mode
+        NAT), without the host's loopback; returns its process group once
+        the interface is up. It exits when the holder's end of its exit pipe
+        closes, however the holder ends."""
+        ready_r, ready_w = os.pipe()
+        try:
+            net = subprocess.run(
+                ["/bin/sh", "-c", 'setsid "$@" </dev/null >/dev/null 2>&1 & echo $!', "sh",
+                 "slirp4netns", *SLIRP_ARGS, f"--ready-fd={ready_w}", f"--exit-fd={exit_fd}",
+                 str(child), "tap0"],
+                pass_fds=(ready_w, exit_fd), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                check=True, env=LAUNCH_ENV)
+        finally:
+            os.close(ready_w)
+        with os.fdopen(ready_r, "rb") as ready:
+            if ready.read(1) != b"1":
+                raise unavailable("slirp4netns could not set up the sandbox's network")
+        return int(net.stdout.decode().strip())
 
     # -- requests -------------------------------------------------------------
 
