@@ -65,8 +65,9 @@ class Stack:
 
 @pytest.fixture
 async def stack(request, start_worker, api, alice, mallory, pool, db_url, data_dir):
-    start_worker(YUXI_SANDBOX=request.param, OPENAI_API_KEY=PROVIDER_KEY)
+    worker = start_worker(YUXI_SANDBOX=request.param, OPENAI_API_KEY=PROVIDER_KEY)
     s = Stack(api, db_url, data_dir, {"alice": alice, "mallory": mallory})
+    s.worker = worker
     await s.setup(pool)
     s.confined = request.param == "bwrap"
     return s
@@ -81,6 +82,8 @@ def expect(stack: Stack, reached: bool, output: str) -> None:
 async def test_the_environment_holds_no_secret(stack):
     output = await stack.run("alice", "env")
     expect(stack, "YUXI_DATABASE_URL=" in output or PROVIDER_KEY in output, output)
+    # The opt-out is said at the worker's startup.
+    assert ("UNCONFINED" in stack.worker.log()) == (not stack.confined)
     if stack.confined:
         names = {line.split("=", 1)[0] for line in output.splitlines()[1:] if "=" in line}
         assert names <= {"PATH", "HOME", "TMPDIR", "TERM", "USER", "PWD", "SHLVL", "LANG",
