@@ -137,3 +137,14 @@ async def test_the_host_api_port_does_not_answer(stack):
 async def test_the_checkout_is_invisible(stack):
     output = await stack.run("alice", f"cat {CHECKOUT}/pyproject.toml 2>&1; ls /root 2>&1")
     expect(stack, 'name = "yuxi-sessions"' in output, output)
+
+
+@pytest.mark.parametrize("stack", MODES, indirect=True)
+async def test_commands_hold_no_capability_or_privilege(stack):
+    output = await stack.run("alice", "id -u; grep -E '^(CapEff|CapPrm|NoNewPrivs)' "
+                                      "/proc/self/status")
+    privileged = "CapEff:\t0000000000000000" not in output or output.splitlines()[1] == "0"
+    expect(stack, privileged, output)
+    if stack.confined:
+        assert output.splitlines()[1:] == ["1000", "CapPrm:\t0000000000000000",
+                                           "CapEff:\t0000000000000000", "NoNewPrivs:\t1"]

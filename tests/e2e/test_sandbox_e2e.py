@@ -1,6 +1,7 @@
 """The shared sandbox with the real API and worker: a parent writes a marker
 to the workdir and one to the sandbox temp area and starts a background
-process; its child reads both and sees the process; after the idle release
+process and a server on the tree's loopback; its child reads both markers,
+sees the process and fetches from the server (one network namespace); after the idle release
 the workdir file remains, the temp file and the process are gone."""
 
 from __future__ import annotations
@@ -13,6 +14,11 @@ from tests.e2e.helpers import (client, create_agent, create_session, post_input,
 from yuxi.services import resources, sandbox
 
 MARK = "sleep 300.4242"
+# The parent's server on the tree's own loopback; the child fetches from it.
+SERVE = "python3 -m http.server 18080 --bind 127.0.0.1"
+FETCH = ("for i in $(seq 100); do python3 -c \"import urllib.request; print(urllib.request"
+         ".urlopen('http://127.0.0.1:18080/notes/marker.txt').read().decode())\" "
+         "2>/dev/null && break; sleep 0.1; done")
 
 
 def script() -> dict:
@@ -23,7 +29,7 @@ def script() -> dict:
                           {"tool": "run_command", "args": {
                               # Only the sleeper's own args start with MARK.
                               "command": f"cat \"$TMPDIR/marker\"; ps -eo args | grep -q '^{MARK}' "
-                                         "&& echo alive"}}]},
+                                         f"&& echo alive; {FETCH}"}}]},
                 {"say": "{{ results[0].content }}|{{ results[1].output|trim|replace('\\n', ',') }}"},
             ]},
         ],
@@ -32,11 +38,12 @@ def script() -> dict:
                                                       "content": "workdir marker"}},
                       {"tool": "run_command", "args": {"command": "echo tmp marker > \"$TMPDIR/marker\""}},
                       {"tool": "run_command", "args": {"command": MARK,
-                                                       "background": True}}]},
+                                                       "background": True}},
+                      {"tool": "run_command", "args": {"command": SERVE, "background": True}}]},
             {"call": [{"tool": "create_session", "args": {"name": "reader", "task": "check"}}]},
             {"call": [{"tool": "wait_inputs", "args": {"input_ids": "{{ [last.input_id] }}",
                                                        "timeout_s": 60}}]},
-            {"call": [{"tool": "get_result", "args": {"input_id": "{{ results[3].input_id }}"}}]},
+            {"call": [{"tool": "get_result", "args": {"input_id": "{{ results[4].input_id }}"}}]},
             {"say": "child saw: {{ last.output.text }}"},
         ],
     }
@@ -61,7 +68,7 @@ async def test_members_share_the_sandbox_until_it_is_released(worker, api, alice
             result = await result_of(http, receipt["turn_id"])
             history = (await http.get(f"/api/sessions/{root['id']}/messages")).json()
         assert turn["status"] == "completed", result["error"]
-        assert result["output"]["text"] == "child saw: workdir marker|tmp marker,alive", history
+        assert result["output"]["text"] == "child saw: workdir marker|tmp marker,alive,workdir marker", history
         assert sleeper_alive()
         box = sandbox.locate(data_dir, root["tree_id"], 1)
         assert (box.tmp / "marker").exists()
