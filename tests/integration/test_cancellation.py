@@ -15,6 +15,7 @@ from langchain_core.messages import AIMessage, ToolMessage
 from tests.integration import gated
 from tests.integration.helpers import (
     drain, executor, new_session, rows, runs_with_status, scalar, rewrite_function,
+    rewrite_function_sync,
 )
 from tests.integration.test_config import wait_until_blocked
 from yuxi.runtime import cleanup
@@ -198,24 +199,100 @@ async def test_stop_all_cancels_the_tree_and_continue_resumes_the_queue(
     assert (await sessions.get_turn(pool, scope, receipt.turn_id)).status == "cancelled"
 
 
-def test_an_old_stop_cannot_re_pause_a_queue_continued_after_it(db_url, postgresql):
+STOP = "SELECT yuxi.stop_tree_v1(%s, %s, %s)"
+CONTINUE = "SELECT yuxi.continue_queue_v1(%s, %s, %s)"
+
+
+def _stop_then_continue_behind_a_starting_turn(db_url, postgresql):
+    """Three connections, in this order: an input starts a turn on the idle
+    root and stays uncommitted (it holds the tree row); a stop of the tree
+    waits; a continue of the root, issued after the stop, waits too. Then
+    the input commits, the stop ends and commits, the continue ends and
+    commits. Returns (root, turn, turns the stop cancelled)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from tests.integration.test_slots import make_tree
     tree, (root,) = make_tree(postgresql, 1)
     user, app = postgresql.execute("SELECT user_id, app_id FROM yuxi.sessions WHERE id = %s",
                                    (root,)).fetchone()
     postgresql.commit()
-    from concurrent.futures import ThreadPoolExecutor
-    with psycopg.connect(db_url) as c1, psycopg.connect(db_url) as c2:
-        c1.execute("SELECT yuxi.stop_tree_v1(%s, %s, %s)", (user, app, root))
-        with ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(lambda: c2.execute(
-                "SELECT yuxi.continue_queue_v1(%s, %s, %s)", (user, app, root)).fetchone())
-            wait_until_blocked(postgresql, c2.info.backend_pid)
-            c1.commit()
-            pending.result(timeout=10)
-        c2.commit()
-    assert postgresql.execute("SELECT queue_paused FROM yuxi.sessions WHERE id = %s",
-                              (root,)).fetchone()[0] is False
+    with psycopg.connect(db_url) as starter, psycopg.connect(db_url) as stopper, \
+            psycopg.connect(db_url) as continuer, ThreadPoolExecutor(2) as threads:
+        # Were there a deadlock, the continue (which waits first) finds it at once.
+        continuer.execute("SET deadlock_timeout = '50ms'")
+        starter.execute("SELECT yuxi.receive_input_v1(%s, %s, %s, 'x', 'queue', '{}', NULL)",
+                        (root, user, app))
+        turn = starter.execute("SELECT id FROM yuxi.turns WHERE session_id = %s",
+                               (root,)).fetchone()[0]
+        stop = threads.submit(lambda: stopper.execute(STOP, (user, app, root)).fetchone()[0])
+        wait_until_blocked(postgresql, stopper.info.backend_pid)
+        cont = threads.submit(lambda: continuer.execute(CONTINUE, (user, app, root)).fetchone())
+        wait_until_blocked(postgresql, continuer.info.backend_pid)
+        starter.commit()
+        stopped = stop.result(timeout=10)
+        stopper.commit()
+        cont.result(timeout=10)
+        continuer.commit()
+    return root, turn, stopped
+
+
+def _tree_state(postgresql, root, turn):
+    postgresql.rollback()
+    return (postgresql.execute("SELECT status FROM yuxi.turns WHERE id = %s", (turn,)).fetchone()[0],
+            postgresql.execute("SELECT queue_paused FROM yuxi.sessions WHERE id = %s",
+                               (root,)).fetchone()[0],
+            [r[0] for r in postgresql.execute(
+                "SELECT type FROM yuxi.events WHERE tree_id = %s AND type IN "
+                "('turn.started', 'turn.cancelling', 'tree.stopped', 'queue.continued') "
+                "ORDER BY seq", (root,))])
+
+
+def test_stop_all_cancels_a_turn_that_started_before_it(db_url, postgresql):
+    # Guard: stop_tree_v1 takes the tree lock before it reads the tree's
+    # turns, so a turn that started in a transaction the stop waited for is
+    # seen and cancelled.
+    root, turn, stopped = _stop_then_continue_behind_a_starting_turn(db_url, postgresql)
+    status, _, events = _tree_state(postgresql, root, turn)
+    assert stopped == 1 and status == "cancelling"
+    assert events == ["turn.started", "turn.cancelling", "tree.stopped", "queue.continued"]
+
+
+def test_an_old_stop_cannot_re_pause_a_queue_continued_after_it(db_url, postgresql):
+    # Guard: continue_queue_v1 takes the tree lock before it writes the
+    # session row, so a continue issued after a stop that waits for the tree
+    # lands after that stop (the last word is the continue's).
+    root, turn, _ = _stop_then_continue_behind_a_starting_turn(db_url, postgresql)
+    _, paused, events = _tree_state(postgresql, root, turn)
+    assert paused is False
+    assert events[-2:] == ["tree.stopped", "queue.continued"]
+
+
+def test_without_the_tree_lock_stop_all_misses_a_turn_started_meanwhile(db_url, postgresql):
+    # Negative case: stop_tree_v1 without lock_tree_v1 pauses and reads the
+    # tree's turns at once; the turn still uncommitted is not among them and
+    # goes on running after the stop (its event then waits for the tree row).
+    rewrite_function_sync(postgresql, "yuxi.stop_tree_v1",
+                          "PERFORM yuxi.lock_tree_v1(v_session.tree_id);", "")
+    postgresql.commit()
+    root, turn, stopped = _stop_then_continue_behind_a_starting_turn(db_url, postgresql)
+    status, _, events = _tree_state(postgresql, root, turn)
+    assert stopped == 0 and status == "running"
+    assert events == ["turn.started", "tree.stopped", "queue.continued"]
+
+
+def test_without_the_tree_lock_a_continue_after_an_old_stop_is_lost(db_url, postgresql):
+    # Negative case: continue_queue_v1 without lock_tree_v1 writes the session
+    # row first and then waits for the tree row behind the stop; the stop,
+    # once it has the tree row, waits for that session row: a deadlock, the
+    # continue is aborted and the old stop's pause stays.
+    rewrite_function_sync(postgresql, "yuxi.continue_queue_v1",
+                          "PERFORM yuxi.lock_tree_v1(v_session.tree_id);", "")
+    postgresql.commit()
+    with pytest.raises(psycopg.errors.DeadlockDetected):
+        _stop_then_continue_behind_a_starting_turn(db_url, postgresql)
+    _, paused, events = _tree_state(postgresql, *postgresql.execute(
+        "SELECT session_id, id FROM yuxi.turns").fetchone())
+    assert paused is True and events[-1] == "tree.stopped"
 
 
 async def test_without_the_merge_step_a_finished_result_is_lost(pool, checkpoint_pool, alice):
