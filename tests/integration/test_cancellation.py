@@ -10,7 +10,6 @@ import uuid
 
 import psycopg
 import pytest
-from langchain_core.messages import AIMessage, ToolMessage
 
 from tests.integration import gated
 from tests.integration.helpers import (
@@ -97,6 +96,8 @@ async def test_cancel_at_the_tool_boundary_pairs_every_call(pool, checkpoint_poo
 
 async def test_waiting_turn_cleanup_keeps_finished_results_and_children(
         pool, checkpoint_pool, alice, postgresql):
+    # Guard: the cleanup's merge step (cleanup.merge_finished_writes) keeps
+    # the result of create_session c2, finished beside the waiting call.
     scope = alice[1]
     root = await new_session(pool, scope, {"model": "replay", "tools": ["cooperation"], "replay": {
         "rules": [{"match": "^parent", "steps": [
@@ -149,6 +150,8 @@ async def _suspended_with_a_finished_sibling(pool, checkpoint_pool, scope):
 @pytest.mark.parametrize("crash_after", [1, 2])
 async def test_cleanup_converges_after_a_crash_at_each_commit(
         pool, checkpoint_pool, alice, crash_after):
+    # Guards: each step checks from committed state whether it is still
+    # needed; the merge step (cleanup.merge_finished_writes) keeps "kept".
     scope = alice[1]
     root, receipt = await _suspended_with_a_finished_sibling(pool, checkpoint_pool, scope)
     await sessions.cancel_turn(pool, scope, receipt.turn_id)
@@ -295,20 +298,23 @@ def test_without_the_tree_lock_a_continue_after_an_old_stop_is_lost(db_url, post
     assert paused is True and events[-1] == "tree.stopped"
 
 
-async def test_without_the_merge_step_a_finished_result_is_lost(pool, checkpoint_pool, alice):
-    # Negative case: pairing the calls first (as_node="tool") without merging
-    # the pending writes drops the result of the call that had finished.
+async def test_without_the_merge_step_a_finished_result_is_lost(
+        pool, checkpoint_pool, alice, monkeypatch):
+    # Negative case: the production cleanup (the cleanup_turn job's
+    # clean_cancelled_turn) with only its merge step removed. Pairing the
+    # calls (as_node="tool") before merging drops the pending write of the
+    # call that had finished: echo "kept" is lost.
+    async def no_merge(graph, cfg, state) -> bool:
+        return False
+
     scope = alice[1]
     root, receipt = await _suspended_with_a_finished_sibling(pool, checkpoint_pool, scope)
-    graph = cleanup.checkpoint_only_graph(checkpoint_pool)
-    cfg = {"configurable": {"thread_id": str(root.id)}}
-    committed = (await graph.aget_state(cfg)).values["messages"]
-    ai = [m for m in committed if isinstance(m, AIMessage)][-1]
-    await graph.aupdate_state(cfg, {"messages": [
-        ToolMessage(content="x", tool_call_id=c["id"], id=f"cancel:{ai.id}:{c['id']}")
-        for c in ai.tool_calls if c["name"] == "wait_sessions"]}, as_node="tool")
-    await graph.aupdate_state(cfg, None, as_node="__end__")
+    await sessions.cancel_turn(pool, scope, receipt.turn_id)
+    monkeypatch.setattr(cleanup, "merge_finished_writes", no_merge)
+    assert await _clean(pool, checkpoint_pool, receipt.turn_id)
     history = await conversation.messages(checkpoint_pool, root.id)
+    assert [m["name"] for m in history if m["role"] == "tool"] == \
+        ["create_session", "wait_sessions"]
     assert '{"text":"kept"}' not in [m["content"] for m in history]
 
 
