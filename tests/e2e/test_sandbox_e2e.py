@@ -8,9 +8,13 @@ from __future__ import annotations
 import datetime as dt
 import subprocess
 
+import pytest
+
 from tests.e2e.helpers import (client, create_agent, create_session, post_input, result_of,
                                wait_turn_done)
 from yuxi.services import resources, sandbox
+
+pytestmark = pytest.mark.e2e
 
 MARK = "sleep 300.4242"
 
