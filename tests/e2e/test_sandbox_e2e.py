@@ -1,22 +1,24 @@
 """The shared sandbox with the real API and worker: a parent writes a marker
 to the workdir and one to the sandbox temp area and starts a background
-process; its child reads both and sees the process; after the idle release
-the workdir file remains, the temp file and the process are gone."""
+process; its child reads both and sees the process; once the sandbox is idle
+the worker's periodic sweep releases it: the workdir file remains, the temp
+file and the process are gone."""
 
 from __future__ import annotations
 
-import datetime as dt
+import os
 import subprocess
 
 import pytest
 
 from tests.e2e.helpers import (client, create_agent, create_session, post_input, result_of,
-                               wait_turn_done)
+                               wait_for, wait_turn_done)
 from yuxi.services import resources, sandbox
 
 pytestmark = pytest.mark.e2e
 
-MARK = "sleep 300.4242"
+# Unique to this test process: another test session on the machine has its own.
+MARK = f"sleep 300.{os.getpid()}"
 
 
 def script() -> dict:
@@ -50,7 +52,13 @@ def sleeper_alive() -> bool:
     return subprocess.run(["pgrep", "-f", MARK], capture_output=True).returncode == 0
 
 
-async def test_members_share_the_sandbox_until_it_is_released(worker, api, alice, pool, data_dir):
+async def test_members_share_the_sandbox_until_the_worker_releases_it(
+        start_worker, start_api, alice, pool, pg, data_dir):
+    # The worker's periodic release_idle_sandboxes runs every second here
+    # (only the sweep's period is a setting; the 5 idle minutes are fixed).
+    # It boots while the API does.
+    start_worker(YUXI_SANDBOX_SWEEP_SECONDS="1")
+    api = start_api()
     key, scope = alice
     await resources.create(pool, scope.app_id, "tool_group:sandbox")
     await resources.grant(pool, scope, "tool_group:sandbox")
@@ -69,10 +77,17 @@ async def test_members_share_the_sandbox_until_it_is_released(worker, api, alice
         assert sleeper_alive()
         box = sandbox.locate(data_dir, root["tree_id"], 1)
         assert (box.tmp / "marker").exists()
-        # Five idle minutes later (the clock is injected) the sandbox goes.
-        later = lambda: sandbox.utcnow() + dt.timedelta(minutes=6)  # noqa: E731
-        released = await sandbox.release_idle(pool, data_dir, now=later)
-        assert [str(t) for t in released] == [root["tree_id"]]
+        assert pg.scalar("SELECT status FROM yuxi.sandboxes") == "active"
+        # The sandbox has been idle for more than five minutes: its last
+        # activity moves back. The worker's next sweep releases it.
+        moved = pg.scalar("UPDATE yuxi.sandboxes SET last_activity_at = now() - interval "
+                          "'6 minutes' RETURNING tree_id")
+        assert str(moved) == root["tree_id"]
+
+        async def released():
+            return pg.scalar("SELECT status FROM yuxi.sandboxes") == "released"
+        await wait_for(released, 10, "the worker to release the idle sandbox")
+        assert pg.scalar("SELECT generation FROM yuxi.sandboxes") == 1
         assert (box.workdir / "notes" / "marker.txt").read_text() == "workdir marker"
         assert not box.tmp.exists()
         assert not sleeper_alive()
