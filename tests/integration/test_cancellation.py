@@ -221,7 +221,8 @@ def _stop_then_continue_behind_a_starting_turn(db_url, postgresql):
     postgresql.commit()
     with psycopg.connect(db_url) as starter, psycopg.connect(db_url) as stopper, \
             psycopg.connect(db_url) as continuer, ThreadPoolExecutor(2) as threads:
-        # Were there a deadlock, the continue (which waits first) finds it at once.
+        # Were there a deadlock, the continue would find it first (the shortest
+        # deadlock_timeout) and be the one aborted.
         continuer.execute("SET deadlock_timeout = '50ms'")
         starter.execute("SELECT yuxi.receive_input_v1(%s, %s, %s, 'x', 'queue', '{}', NULL)",
                         (root, user, app))
