@@ -13,7 +13,7 @@ from langchain_core.messages import HumanMessage
 
 from tests.integration import gated
 from tests.integration.helpers import (
-    drain, executor, fenced_saver, new_session, rows, runs_with_status, scalar, say_agent)
+    drain, fenced_saver, new_session, rows, runs_with_status, scalar, say_agent)
 from yuxi.errors import LeaseLost
 from yuxi.runtime import cleanup
 from yuxi.services import runs, sessions
