@@ -31,9 +31,11 @@ $$;
 -- events of one transaction make one notification). The number is the tree's
 -- last one + 1, read under the tree row lock that every writer holds until it
 -- commits: numbers are gap-free and commit in order, and the tree row is only
--- locked, never rewritten, per event. A non-null dedupe_key that was already
--- recorded in this tree makes this a no-op returning NULL: a step re-executed
--- after a crash reports its fact once, and no sequence number is skipped.
+-- locked, never rewritten, per event. (Without the lock a concurrent writer
+-- would read the same last number, wait on the primary key, and fail once
+-- the first commits.) A non-null dedupe_key that was already recorded in this
+-- tree makes this a no-op returning NULL: a step re-executed after a crash
+-- reports its fact once, and no sequence number is skipped.
 CREATE FUNCTION yuxi.emit_event_v1(
     p_tree uuid, p_session uuid, p_turn uuid, p_run uuid,
     p_type text, p_data jsonb DEFAULT '{}', p_dedupe_key text DEFAULT NULL

@@ -176,8 +176,10 @@ $$;
 
 -- "Stop all" (a user action on any member): cancel every in-flight turn of
 -- the tree and pause every member's queue, in one transaction under the tree
--- lock (so no older stop can land after a later continue). Returns how many
--- turns it cancelled or asked to cancel.
+-- lock. The lock comes first, before the turns are read: a turn started by a
+-- transaction still open (it holds the tree row) is seen once that commits,
+-- and cancelled; read without the lock it would be missed and run on.
+-- Returns how many turns it cancelled or asked to cancel.
 CREATE FUNCTION yuxi.stop_tree_v1(p_user uuid, p_app uuid, p_session uuid) RETURNS integer
     LANGUAGE plpgsql AS $$
 DECLARE
@@ -206,7 +208,12 @@ END;
 $$;
 
 -- Resume a paused queue: the oldest queued turn starts (if the session is
--- idle). Never revives a cancelled turn.
+-- idle). Never revives a cancelled turn. The tree lock comes first, before
+-- the session row is written (the lock order of stop_tree_v1): a continue
+-- issued after a stop that waits for the tree waits behind it and has the
+-- last word. Writing the row first, it would deadlock with that stop, and
+-- the old stop's pause would stay. (A stop that already holds the tree is
+-- also ordered before a later continue by the session row both write.)
 CREATE FUNCTION yuxi.continue_queue_v1(p_user uuid, p_app uuid, p_session uuid) RETURNS uuid
     LANGUAGE plpgsql AS $$
 DECLARE

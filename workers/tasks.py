@@ -70,7 +70,8 @@ async def cleanup_turn(turn_id: str) -> bool:
                                               uuid.UUID(turn_id))
 
 
-@app.periodic(cron="* * * * * */30")
+# Every YUXI_SANDBOX_SWEEP_SECONDS (30 by default) seconds of each minute.
+@app.periodic(cron=f"* * * * * */{settings.sandbox_sweep_seconds}")
 @app.task(name="release_idle_sandboxes", queue="maintenance", pass_context=True,
           queueing_lock="release_idle_sandboxes")
 async def release_idle_sandboxes(context: JobContext, timestamp: int) -> int:

@@ -9,6 +9,12 @@ import msgspec
 DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/yuxi"
 
 
+def _between(name: str, value: int, low: int, high: int) -> int:
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be between {low} and {high}, not {value}")
+    return value
+
+
 class Settings(msgspec.Struct, frozen=True):
     database_url: str = DEFAULT_DATABASE_URL
     # True when YUXI_DATABASE_URL was set: then no embedded server is started.
@@ -48,6 +54,10 @@ class Settings(msgspec.Struct, frozen=True):
     # The worker's locale and terminal, the only variables passed inside.
     sandbox_locale: dict[str, str] = {}
     sandbox_term: str = "dumb"
+    # How often (seconds, 1-30) workers look for sandboxes to release. Only
+    # the sweep's period: the idle time that releases a sandbox is fixed
+    # (5 minutes, yuxi.services.sandbox.IDLE).
+    sandbox_sweep_seconds: int = 30
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -77,6 +87,9 @@ class Settings(msgspec.Struct, frozen=True):
                 sandbox_locale={k: v for k, v in env.items()
                                 if k == "LANG" or k.startswith("LC_")},
                 sandbox_term=env.get("TERM", "dumb"),
+                sandbox_sweep_seconds=_between(
+                    "YUXI_SANDBOX_SWEEP_SECONDS", int(env.get("YUXI_SANDBOX_SWEEP_SECONDS", "30")),
+                    1, 30),
             )
         except ValueError as exc:
             raise SystemExit(f"yuxi: invalid setting: {exc}") from None

@@ -16,7 +16,19 @@ import pytest
 
 from yuxi.cli import api_command, worker_command
 
-pytestmark = pytest.mark.e2e
+E2E_DIR = Path(__file__).resolve().parent
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects anything
+def pytest_collection_modifyitems(config, items) -> None:
+    """Every test under tests/e2e carries the `e2e` marker (`pytestmark` in a
+    conftest has no effect: each module sets it), or the run stops here, so
+    `-m "not e2e"` can never start real processes unawares."""
+    unmarked = [item.nodeid for item in items
+                if E2E_DIR in item.path.parents and item.get_closest_marker("e2e") is None]
+    if unmarked:
+        raise pytest.UsageError("tests under tests/e2e without the e2e marker "
+                                "(add `pytestmark = pytest.mark.e2e`): " + ", ".join(unmarked))
 
 
 def free_port() -> int:

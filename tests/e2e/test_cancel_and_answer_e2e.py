@@ -3,8 +3,12 @@ a real worker."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.e2e.helpers import (client, has_event, ok, open_stream, post_input, result_of,
                                session_with_script, wait_turn_done)
+
+pytestmark = pytest.mark.e2e
 
 
 async def test_cancel_running_turn_and_stop_continue(worker, api, alice, pg):

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from tests.e2e.helpers import client, post_input, result_of, session_with_script, wait_turn_done
+
+pytestmark = pytest.mark.e2e
 
 CHILDREN = 6
 

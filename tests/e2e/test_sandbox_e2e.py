@@ -1,19 +1,25 @@
 """The shared sandbox with the real API and worker: a parent writes a marker
 to the workdir and one to the sandbox temp area and starts a background
 process and a server on the tree's loopback; its child reads both markers,
-sees the process and fetches from the server (one network namespace); after the idle release
-the workdir file remains, the temp file and the process are gone."""
+sees the process and fetches from the server (one network namespace); once
+the sandbox is idle the worker's periodic sweep releases it: the workdir
+file remains, the temp file and the process are gone."""
 
 from __future__ import annotations
 
-import datetime as dt
+import os
 import subprocess
 
+import pytest
+
 from tests.e2e.helpers import (client, create_agent, create_session, post_input, result_of,
-                               wait_turn_done)
+                               wait_for, wait_turn_done)
 from yuxi.services import resources, sandbox
 
-MARK = "sleep 300.4242"
+pytestmark = pytest.mark.e2e
+
+# Unique to this test process: another test session on the machine has its own.
+MARK = f"sleep 300.{os.getpid()}"
 # The parent's server on the tree's own loopback; the child fetches from it.
 SERVE = "python3 -m http.server 18080 --bind 127.0.0.1"
 FETCH = ("for i in $(seq 100); do python3 -c \"import urllib.request; print(urllib.request"
@@ -53,7 +59,13 @@ def sleeper_alive() -> bool:
     return subprocess.run(["pgrep", "-f", MARK], capture_output=True).returncode == 0
 
 
-async def test_members_share_the_sandbox_until_it_is_released(worker, api, alice, pool, data_dir):
+async def test_members_share_the_sandbox_until_the_worker_releases_it(
+        start_worker, start_api, alice, pool, pg, data_dir):
+    # The worker's periodic release_idle_sandboxes runs every second here
+    # (only the sweep's period is a setting; the 5 idle minutes are fixed).
+    # It boots while the API does.
+    start_worker(YUXI_SANDBOX_SWEEP_SECONDS="1")
+    api = start_api()
     key, scope = alice
     await resources.create(pool, scope.app_id, "tool_group:sandbox")
     await resources.grant(pool, scope, "tool_group:sandbox")
@@ -72,10 +84,17 @@ async def test_members_share_the_sandbox_until_it_is_released(worker, api, alice
         assert sleeper_alive()
         box = sandbox.locate(data_dir, root["tree_id"], 1)
         assert (box.tmp / "marker").exists()
-        # Five idle minutes later (the clock is injected) the sandbox goes.
-        later = lambda: sandbox.utcnow() + dt.timedelta(minutes=6)  # noqa: E731
-        released = await sandbox.release_idle(pool, data_dir, now=later)
-        assert [str(t) for t in released] == [root["tree_id"]]
+        assert pg.scalar("SELECT status FROM yuxi.sandboxes") == "active"
+        # The sandbox has been idle for more than five minutes: its last
+        # activity moves back. The worker's next sweep releases it.
+        moved = pg.scalar("UPDATE yuxi.sandboxes SET last_activity_at = now() - interval "
+                          "'6 minutes' RETURNING tree_id")
+        assert str(moved) == root["tree_id"]
+
+        async def released():
+            return pg.scalar("SELECT status FROM yuxi.sandboxes") == "released"
+        await wait_for(released, 10, "the worker to release the idle sandbox")
+        assert pg.scalar("SELECT generation FROM yuxi.sandboxes") == 1
         assert (box.workdir / "notes" / "marker.txt").read_text() == "workdir marker"
         assert not box.tmp.exists()
         assert not sleeper_alive()

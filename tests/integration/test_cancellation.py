@@ -10,11 +10,11 @@ import uuid
 
 import psycopg
 import pytest
-from langchain_core.messages import AIMessage, ToolMessage
 
 from tests.integration import gated
 from tests.integration.helpers import (
     drain, executor, new_session, rows, runs_with_status, scalar, rewrite_function,
+    rewrite_function_sync,
 )
 from tests.integration.test_config import wait_until_blocked
 from yuxi.runtime import cleanup
@@ -96,6 +96,8 @@ async def test_cancel_at_the_tool_boundary_pairs_every_call(pool, checkpoint_poo
 
 async def test_waiting_turn_cleanup_keeps_finished_results_and_children(
         pool, checkpoint_pool, alice, postgresql):
+    # Guard: the cleanup's merge step (cleanup.merge_finished_writes) keeps
+    # the result of create_session c2, finished beside the waiting call.
     scope = alice[1]
     root = await new_session(pool, scope, {"model": "replay", "tools": ["cooperation"], "replay": {
         "rules": [{"match": "^parent", "steps": [
@@ -148,6 +150,8 @@ async def _suspended_with_a_finished_sibling(pool, checkpoint_pool, scope):
 @pytest.mark.parametrize("crash_after", [1, 2])
 async def test_cleanup_converges_after_a_crash_at_each_commit(
         pool, checkpoint_pool, alice, crash_after):
+    # Guards: each step checks from committed state whether it is still
+    # needed; the merge step (cleanup.merge_finished_writes) keeps "kept".
     scope = alice[1]
     root, receipt = await _suspended_with_a_finished_sibling(pool, checkpoint_pool, scope)
     await sessions.cancel_turn(pool, scope, receipt.turn_id)
@@ -198,40 +202,120 @@ async def test_stop_all_cancels_the_tree_and_continue_resumes_the_queue(
     assert (await sessions.get_turn(pool, scope, receipt.turn_id)).status == "cancelled"
 
 
-def test_an_old_stop_cannot_re_pause_a_queue_continued_after_it(db_url, postgresql):
+STOP = "SELECT yuxi.stop_tree_v1(%s, %s, %s)"
+CONTINUE = "SELECT yuxi.continue_queue_v1(%s, %s, %s)"
+
+
+def _stop_then_continue_behind_a_starting_turn(db_url, postgresql):
+    """Three connections, in this order: an input starts a turn on the idle
+    root and stays uncommitted (it holds the tree row); a stop of the tree
+    waits; a continue of the root, issued after the stop, waits too. Then
+    the input commits, the stop ends and commits, the continue ends and
+    commits. Returns (root, turn, turns the stop cancelled)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from tests.integration.test_slots import make_tree
     tree, (root,) = make_tree(postgresql, 1)
     user, app = postgresql.execute("SELECT user_id, app_id FROM yuxi.sessions WHERE id = %s",
                                    (root,)).fetchone()
     postgresql.commit()
-    from concurrent.futures import ThreadPoolExecutor
-    with psycopg.connect(db_url) as c1, psycopg.connect(db_url) as c2:
-        c1.execute("SELECT yuxi.stop_tree_v1(%s, %s, %s)", (user, app, root))
-        with ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(lambda: c2.execute(
-                "SELECT yuxi.continue_queue_v1(%s, %s, %s)", (user, app, root)).fetchone())
-            wait_until_blocked(postgresql, c2.info.backend_pid)
-            c1.commit()
-            pending.result(timeout=10)
-        c2.commit()
-    assert postgresql.execute("SELECT queue_paused FROM yuxi.sessions WHERE id = %s",
-                              (root,)).fetchone()[0] is False
+    with psycopg.connect(db_url) as starter, psycopg.connect(db_url) as stopper, \
+            psycopg.connect(db_url) as continuer, ThreadPoolExecutor(2) as threads:
+        # Were there a deadlock, the continue would find it first (the shortest
+        # deadlock_timeout) and be the one aborted.
+        continuer.execute("SET deadlock_timeout = '50ms'")
+        starter.execute("SELECT yuxi.receive_input_v1(%s, %s, %s, 'x', 'queue', '{}', NULL)",
+                        (root, user, app))
+        turn = starter.execute("SELECT id FROM yuxi.turns WHERE session_id = %s",
+                               (root,)).fetchone()[0]
+        stop = threads.submit(lambda: stopper.execute(STOP, (user, app, root)).fetchone()[0])
+        wait_until_blocked(postgresql, stopper.info.backend_pid)
+        cont = threads.submit(lambda: continuer.execute(CONTINUE, (user, app, root)).fetchone())
+        wait_until_blocked(postgresql, continuer.info.backend_pid)
+        starter.commit()
+        stopped = stop.result(timeout=10)
+        stopper.commit()
+        cont.result(timeout=10)
+        continuer.commit()
+    return root, turn, stopped
 
 
-async def test_without_the_merge_step_a_finished_result_is_lost(pool, checkpoint_pool, alice):
-    # Negative case: pairing the calls first (as_node="tool") without merging
-    # the pending writes drops the result of the call that had finished.
+def _tree_state(postgresql, root, turn):
+    postgresql.rollback()
+    return (postgresql.execute("SELECT status FROM yuxi.turns WHERE id = %s", (turn,)).fetchone()[0],
+            postgresql.execute("SELECT queue_paused FROM yuxi.sessions WHERE id = %s",
+                               (root,)).fetchone()[0],
+            [r[0] for r in postgresql.execute(
+                "SELECT type FROM yuxi.events WHERE tree_id = %s AND type IN "
+                "('turn.started', 'turn.cancelling', 'tree.stopped', 'queue.continued') "
+                "ORDER BY seq", (root,))])
+
+
+def test_stop_all_cancels_a_turn_that_started_before_it(db_url, postgresql):
+    # Guard: stop_tree_v1 takes the tree lock before it reads the tree's
+    # turns, so a turn that started in a transaction the stop waited for is
+    # seen and cancelled.
+    root, turn, stopped = _stop_then_continue_behind_a_starting_turn(db_url, postgresql)
+    status, _, events = _tree_state(postgresql, root, turn)
+    assert stopped == 1 and status == "cancelling"
+    assert events == ["turn.started", "turn.cancelling", "tree.stopped", "queue.continued"]
+
+
+def test_an_old_stop_cannot_re_pause_a_queue_continued_after_it(db_url, postgresql):
+    # Guard: continue_queue_v1 takes the tree lock before it writes the
+    # session row, so a continue issued after a stop that waits for the tree
+    # lands after that stop (the last word is the continue's).
+    root, turn, _ = _stop_then_continue_behind_a_starting_turn(db_url, postgresql)
+    _, paused, events = _tree_state(postgresql, root, turn)
+    assert paused is False
+    assert events[-2:] == ["tree.stopped", "queue.continued"]
+
+
+def test_without_the_tree_lock_stop_all_misses_a_turn_started_meanwhile(db_url, postgresql):
+    # Negative case: stop_tree_v1 without lock_tree_v1 pauses and reads the
+    # tree's turns at once; the turn still uncommitted is not among them and
+    # goes on running after the stop (its event then waits for the tree row).
+    rewrite_function_sync(postgresql, "yuxi.stop_tree_v1",
+                          "PERFORM yuxi.lock_tree_v1(v_session.tree_id);", "")
+    postgresql.commit()
+    root, turn, stopped = _stop_then_continue_behind_a_starting_turn(db_url, postgresql)
+    status, _, events = _tree_state(postgresql, root, turn)
+    assert stopped == 0 and status == "running"
+    assert events == ["turn.started", "tree.stopped", "queue.continued"]
+
+
+def test_without_the_tree_lock_a_continue_after_an_old_stop_is_lost(db_url, postgresql):
+    # Negative case: continue_queue_v1 without lock_tree_v1 writes the session
+    # row first and then waits for the tree row behind the stop; the stop,
+    # once it has the tree row, waits for that session row: a deadlock, the
+    # continue is aborted and the old stop's pause stays.
+    rewrite_function_sync(postgresql, "yuxi.continue_queue_v1",
+                          "PERFORM yuxi.lock_tree_v1(v_session.tree_id);", "")
+    postgresql.commit()
+    with pytest.raises(psycopg.errors.DeadlockDetected):
+        _stop_then_continue_behind_a_starting_turn(db_url, postgresql)
+    _, paused, events = _tree_state(postgresql, *postgresql.execute(
+        "SELECT session_id, id FROM yuxi.turns").fetchone())
+    assert paused is True and events[-1] == "tree.stopped"
+
+
+async def test_without_the_merge_step_a_finished_result_is_lost(
+        pool, checkpoint_pool, alice, monkeypatch):
+    # Negative case: the production cleanup (the cleanup_turn job's
+    # clean_cancelled_turn) with only its merge step removed. Pairing the
+    # calls (as_node="tool") before merging drops the pending write of the
+    # call that had finished: echo "kept" is lost.
+    async def no_merge(graph, cfg, state) -> bool:
+        return False
+
     scope = alice[1]
     root, receipt = await _suspended_with_a_finished_sibling(pool, checkpoint_pool, scope)
-    graph = cleanup.checkpoint_only_graph(checkpoint_pool)
-    cfg = {"configurable": {"thread_id": str(root.id)}}
-    committed = (await graph.aget_state(cfg)).values["messages"]
-    ai = [m for m in committed if isinstance(m, AIMessage)][-1]
-    await graph.aupdate_state(cfg, {"messages": [
-        ToolMessage(content="x", tool_call_id=c["id"], id=f"cancel:{ai.id}:{c['id']}")
-        for c in ai.tool_calls if c["name"] == "wait_sessions"]}, as_node="tool")
-    await graph.aupdate_state(cfg, None, as_node="__end__")
+    await sessions.cancel_turn(pool, scope, receipt.turn_id)
+    monkeypatch.setattr(cleanup, "merge_finished_writes", no_merge)
+    assert await _clean(pool, checkpoint_pool, receipt.turn_id)
     history = await conversation.messages(checkpoint_pool, root.id)
+    assert [m["name"] for m in history if m["role"] == "tool"] == \
+        ["create_session", "wait_sessions"]
     assert '{"text":"kept"}' not in [m["content"] for m in history]
 
 

@@ -169,23 +169,61 @@ async def test_parent_end_leaves_children_and_notices_wake_no_ended_parent(
                               "AND turn_id = %s", (child_turn,)) == 1
 
 
-async def test_user_input_on_a_member_notifies_its_parent_and_starts_no_work(
-        pool, checkpoint_pool, alice):
-    scope = alice[1]
-    root = await new_session(pool, scope, orchestrator(1))
+MEMBER_NOTICES = "SELECT session_id, data FROM yuxi.events WHERE type = 'member.user_input' ORDER BY seq"
+
+
+async def _user_then_tool_input_on_a_member(pool, checkpoint_pool, scope):
+    """A root with one member w0: the user sends w0 an input directly, then
+    the root submits one to w0 through its submit_input tool. Returns the
+    root, w0, the parent's turn count before, and the notices after each."""
+    config = orchestrator(1)
+    config["replay"]["rules"].append({"match": "^submit", "steps": [
+        {"call": [{"tool": "submit_input", "args": {"session": "w0", "text": "from the parent",
+                                                    "mode": "queue"}}]},
+        {"say": "submitted"}]})
+    root = await new_session(pool, scope, config)
     await sessions.receive_input(pool, scope, root.id, content="orchestrate")
     await drain(pool, checkpoint_pool)
     child = await scalar(pool, "SELECT id FROM yuxi.sessions WHERE parent_id IS NOT NULL")
     parent_turns = await scalar(pool, "SELECT count(*) FROM yuxi.turns WHERE session_id = %s", (root.id,))
     receipt = await sessions.receive_input(pool, scope, child, content="from the user", by_user=True)
     assert receipt.status == "started"  # the same abilities as on a root session
-    notice = await rows(pool, "SELECT session_id, data FROM yuxi.events WHERE type = 'member.user_input'")
-    assert notice == [{"session_id": root.id, "data": {"session_id": str(child),
-                                                        "path": "/root/w0", "mode": "steer"}}]
-    assert await scalar(pool, "SELECT count(*) FROM yuxi.turns WHERE session_id = %s",
-                        (root.id,)) == parent_turns
+    after_user = await rows(pool, MEMBER_NOTICES)
+    turns_after_user = await scalar(pool, "SELECT count(*) FROM yuxi.turns WHERE session_id = %s",
+                                    (root.id,))
+    assert turns_after_user == parent_turns  # the notice starts no work
+    submit = await sessions.receive_input(pool, scope, root.id, content="submit")
+    await drain(pool, checkpoint_pool)
+    assert (await sessions.get_result(pool, scope, submit.turn_id)).output["text"] == "submitted"
+    # The submission did reach the member.
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.inputs WHERE session_id = %s "
+                              "AND content = 'from the parent'", (child,)) == 1
+    return root, child, after_user, await rows(pool, MEMBER_NOTICES)
+
+
+async def test_user_input_on_a_member_notifies_its_parent_and_starts_no_work(
+        pool, checkpoint_pool, alice):
+    # Guard: receive_input_v1 notifies the parent only when p_by_user (the
+    # API sets it; the tools never do).
+    root, child, after_user, after_tool = await _user_then_tool_input_on_a_member(
+        pool, checkpoint_pool, alice[1])
+    assert after_user == [{"session_id": root.id, "data": {
+        "session_id": str(child), "path": "/root/w0", "mode": "steer"}}]
     # A session submitting to a member through a tool is not a user: no notice.
-    assert await scalar(pool, "SELECT count(*) FROM yuxi.events WHERE type = 'member.user_input'") == 1
+    assert after_tool == after_user
+
+
+async def test_without_the_by_user_check_a_tool_submission_notifies_the_parent(
+        pool, checkpoint_pool, alice):
+    # Negative case: receive_input_v1 without `p_by_user AND` treats every
+    # input on a member as the user's: the tool submission notifies too.
+    await rewrite_function(pool, "yuxi.receive_input_v1",
+                           "IF p_by_user AND v_session.parent_id IS NOT NULL THEN",
+                           "IF v_session.parent_id IS NOT NULL THEN")
+    root, child, after_user, after_tool = await _user_then_tool_input_on_a_member(
+        pool, checkpoint_pool, alice[1])
+    assert after_tool[len(after_user):] == [{"session_id": root.id, "data": {
+        "session_id": str(child), "path": "/root/w0", "mode": "queue"}}]
 
 
 async def test_tree_lists_every_member(pool, checkpoint_pool, alice):

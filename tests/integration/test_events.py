@@ -3,9 +3,13 @@ cursor N never misses an event that commits later with a smaller number."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import psycopg
 import pytest
 
+from tests.integration.helpers import rewrite_function_sync
+from tests.integration.test_config import wait_until_blocked
 from tests.integration.test_slots import make_tree
 
 EMIT = "SELECT yuxi.emit_event_v1(%s, %s, NULL, NULL, 'test.event', '{}', %s)"
@@ -16,59 +20,53 @@ def read_after(conn, tree, cursor) -> list[int]:
         "SELECT seq FROM yuxi.events WHERE tree_id = %s AND seq > %s ORDER BY seq", (tree, cursor))]
 
 
-def _interleave(db_url, tree, root) -> list[int]:
+def _interleave(db_url, observer, tree, root) -> tuple[int, int, list[int]]:
     """Writer 1 takes a number and stays uncommitted; writer 2 tries to write
-    and commit; a reader follows with a cursor. Returns what the reader saw."""
+    meanwhile (it must wait: its call has not returned while writer 1 is
+    open); a reader polls with a cursor, then writer 1 commits and writer 2's
+    call returns and commits. Returns both numbers and what the reader saw."""
     seen: list[int] = []
     with psycopg.connect(db_url) as w1, psycopg.connect(db_url) as w2, \
-            psycopg.connect(db_url, autocommit=True) as reader:
+            psycopg.connect(db_url, autocommit=True) as reader, ThreadPoolExecutor(1) as threads:
         cursor = read_after(reader, tree, 0)[-1]
-        w1.execute(EMIT, (tree, root, None))
-        w2.execute("SET lock_timeout = '200ms'")
-        try:
-            w2.execute(EMIT, (tree, root, None))
-            w2.commit()
-        except psycopg.errors.LockNotAvailable:
-            w2.rollback()
-        for seq in read_after(reader, tree, cursor):  # the reader polls now
-            seen.append(seq)
-            cursor = seq
+        first = w1.execute(EMIT, (tree, root, None)).fetchone()[0]
+        second = threads.submit(lambda: w2.execute(EMIT, (tree, root, None)).fetchone()[0])
+        wait_until_blocked(observer, w2.info.backend_pid)
+        seen.extend(read_after(reader, tree, cursor))  # the reader polls now
+        cursor = seen[-1] if seen else cursor
         w1.commit()
-        w2.execute("SET lock_timeout = 0")
-        w2.execute(EMIT, (tree, root, None))
+        number = second.result(timeout=10)
         w2.commit()
         seen.extend(read_after(reader, tree, cursor))
-    return seen
+    return first, number, seen
 
 
 def test_a_second_writer_waits_and_no_reader_skips(db_url, postgresql):
-    tree, (root,) = make_tree(postgresql, 1)
-    postgresql.commit()
-    first = read_after(postgresql, tree, 0)[-1]
-    seen = _interleave(db_url, tree, root)
-    # Everything committed after the cursor is seen, once, in order.
-    all_after = read_after(postgresql, tree, first)
-    assert seen == all_after == list(range(first + 1, first + 1 + len(all_after)))
-
-
-def test_without_the_tree_row_a_reader_skips_an_event(db_url, postgresql):
-    # Negative case: numbers from a sequence (no tree row lock) let a later
-    # number commit first; the reader's cursor passes the earlier one.
-    postgresql.execute("CREATE SEQUENCE yuxi.unlocked_seq START 1000")
-    postgresql.execute("""
-        CREATE OR REPLACE FUNCTION yuxi.emit_event_v1(
-            p_tree uuid, p_session uuid, p_turn uuid, p_run uuid,
-            p_type text, p_data jsonb DEFAULT '{}', p_dedupe_key text DEFAULT NULL)
-        RETURNS bigint LANGUAGE sql AS $$
-            INSERT INTO yuxi.events (tree_id, seq, user_id, app_id, session_id, type, data)
-            SELECT p_tree, nextval('yuxi.unlocked_seq'), user_id, app_id, p_session, p_type, '{}'
-            FROM yuxi.trees WHERE id = p_tree RETURNING seq $$""")
+    # Guard: emit_event_v1 takes the next number under the tree row lock
+    # (lock_tree_v1), held until commit. Writer 2 waits for writer 1, then
+    # reads writer 1's number and takes the next one.
     tree, (root,) = make_tree(postgresql, 1)
     postgresql.commit()
     start = read_after(postgresql, tree, 0)[-1]
-    seen = _interleave(db_url, tree, root)
-    committed = read_after(postgresql, tree, start)
-    assert sorted(seen) != committed  # an event was skipped
+    first, second, seen = _interleave(db_url, postgresql, tree, root)
+    assert (first, second) == (start + 1, start + 2)
+    # Everything committed after the cursor is seen, once, in order.
+    assert seen == read_after(postgresql, tree, start) == [start + 1, start + 2]
+
+
+def test_without_the_tree_row_lock_a_second_writer_fails(db_url, postgresql):
+    # Negative case: emit_event_v1 reads the tree row without locking it.
+    # Both writers then read the same last number; the (tree_id, seq) primary
+    # key makes writer 2 wait for writer 1 (so a reader still skips nothing),
+    # but once writer 1 commits, writer 2's transaction fails: the transition
+    # that wanted to report its event is lost.
+    rewrite_function_sync(postgresql, "yuxi.emit_event_v1",
+                          "v_tree := yuxi.lock_tree_v1(p_tree);",
+                          "SELECT * INTO v_tree FROM yuxi.trees WHERE id = p_tree;")
+    tree, (root,) = make_tree(postgresql, 1)
+    postgresql.commit()
+    with pytest.raises(psycopg.errors.UniqueViolation, match="events_pkey"):
+        _interleave(db_url, postgresql, tree, root)
 
 
 def test_dedupe_key_reports_a_fact_once_without_a_gap(postgresql):

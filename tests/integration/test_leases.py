@@ -3,6 +3,7 @@ into a new run of the same turn; lost jobs are re-delivered."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import uuid
 
@@ -10,10 +11,11 @@ import psycopg
 import pytest
 from langchain_core.messages import HumanMessage
 
+from tests.integration import gated
 from tests.integration.helpers import (
-    drain, executor, fenced_saver, new_session, rows, runs_with_status, scalar, say_agent)
+    drain, fenced_saver, new_session, rows, runs_with_status, scalar, say_agent)
 from yuxi.errors import LeaseLost
-from yuxi.runtime import executor as exmod
+from yuxi.runtime import cleanup
 from yuxi.services import runs, sessions
 
 
@@ -133,25 +135,28 @@ async def test_recovery_gives_up_after_max_attempts(pool, checkpoint_pool, alice
 
 
 async def test_recovered_turn_continues_from_its_checkpoint(pool, checkpoint_pool, alice):
-    # Two steps: the first (a tool call) is checkpointed by the first run; the
-    # recovered run continues with the second and never redoes the first.
-    config = {"model": "replay", "tools": ["echo"], "replay": {"default": [
+    # Guard: drive() continues a checkpoint with a next step (`state.next`:
+    # the model after the tool step) with ainvoke(None), never by restarting
+    # the turn or taking the last AI message of an unfinished graph as the
+    # answer. The first run dies mid-graph: after its tool step is
+    # checkpointed, during the next model call.
+    config = {"model": "gated", "tools": ["echo"], "replay": {"default": [
         {"call": [{"tool": "echo", "args": {"text": "once"}}]}, {"say": "done {{ results|length }}"}]}}
-    session = await new_session(pool, alice[1], config)
-    receipt = await sessions.receive_input(pool, alice[1], session.id, content="go")
-    ex = executor(pool, checkpoint_pool)
-    (run_id,) = await runs_with_status(pool, "ready")
-    # Simulate a worker dying right after the tool step: run the real graph
-    # under a lease, then let the lease expire without completing.
-    token = uuid.uuid4()
-    run = await runs.start_run(pool, run_id, token, 30)
-    async with fenced_saver(checkpoint_pool, run["id"], token) as saver:
-        graph, cfg = ex._graph(run, token, saver)
-        answer, _ = await exmod.drive(graph, cfg, run)
-    assert answer.text == "done 1"
-    await _expire(pool, run_id)
-    await runs.recover_expired(pool, max_attempts=3)
-    assert await drain(pool, checkpoint_pool) == ["completed"]
+    with gated.gated_model() as gate:
+        session, receipt, first = await gated.start_run(pool, checkpoint_pool, alice[1], config)
+        await gate.calls.get()
+        (run_id,) = await runs_with_status(pool, "running")
+        gate.pass_waiting()  # the tool call; the model's next call waits
+        await gate.calls.get()
+        first.cancel()  # the worker dies: its run stays running under its lease
+        await asyncio.gather(first, return_exceptions=True)
+        state = await cleanup.checkpoint_only_graph(checkpoint_pool).aget_state(
+            {"configurable": {"thread_id": str(session.id)}})
+        assert state.next == ("model",) and state.values["messages"][-1].type == "tool"
+        await _expire(pool, run_id)
+        assert await runs.recover_expired(pool, max_attempts=3) == [run_id]
+        gate.opened.set()
+        assert await drain(pool, checkpoint_pool) == ["completed"]
     result = await sessions.get_result(pool, alice[1], receipt.turn_id)
     assert result.output["text"] == "done 1"
     # One message event per AI message (the final answer's reported by the
@@ -159,6 +164,8 @@ async def test_recovered_turn_continues_from_its_checkpoint(pool, checkpoint_poo
     counts = await rows(pool, """SELECT type, count(*) AS n FROM yuxi.events
                                  WHERE type IN ('message', 'tool.started') GROUP BY type ORDER BY type""")
     assert counts == [{"type": "message", "n": 2}, {"type": "tool.started", "n": 1}]
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.runs WHERE turn_id = %s",
+                        (receipt.turn_id,)) == 2
 
 
 async def test_lost_job_of_a_ready_run_is_redelivered(pool, alice):

@@ -169,19 +169,76 @@ async def test_side_effecting_sandbox_tools_recheck_the_grant(pool, alice, tmp_p
     assert not (box.workdir / "x.txt").exists()
 
 
-async def test_cancel_stops_only_the_turns_own_command(pool, alice, tmp_path):
+async def _member_context(pool, ctx, tmp_path):
+    """A second member of ctx's tree (a child of its session) with a running
+    run holding the same sandbox."""
+    from yuxi.runtime.tools import ToolContext
+    await scalar(pool, "SELECT yuxi.create_child_session_v1(%s, %s, 'member', NULL, NULL, "
+                       "'{}', 'task')", (ctx.run["session_id"], ctx.run_id))
+    (run_id,) = await runs_with_status(pool, "ready")
+    token = uuid.uuid4()
+    run = await runs.start_run(pool, run_id, token, 60)
+    box = msgspec.structs.replace(
+        await sandbox.claim(pool, tmp_path, run_id, token, run["tree_id"], now=at(0)),
+        jail=ctx.sandbox.jail)  # the same worker's
+    return ToolContext(pool=pool, run_id=run_id, token=token, call_id="m", run=run, sandbox=box)
+
+
+def _wait_for_go(name: str) -> str:
+    """A command that says it started, waits for the file `go` in the
+    workdir, then leaves its mark: only a command still alive marks."""
+    return f"touch started-{name}; while [ ! -e go ]; do sleep 0.02; done; touch done-{name}"
+
+
+async def _cancel_one_of_two_commands(pool, scope, tmp_path):
+    """The turn's command and another member's run side by side in the tree's
+    sandbox; the turn is cancelled, then `go` lets a surviving command end.
+    Returns both results, the marks left in the workdir and the sandbox."""
     import asyncio
-    import time
     from yuxi.runtime import sandbox_tools
-    ctx, box = await _tool_context(pool, alice[1], tmp_path)
+    ctx, box = await _tool_context(pool, scope, tmp_path)
+    member = await _member_context(pool, ctx, tmp_path)
+    assert member.sandbox == box  # one sandbox for the tree
     (box.tmp / "shared").write_text("others use this")
-    started = time.monotonic()
-    command = asyncio.create_task(sandbox_tools.run_command(ctx, {"command": "sleep 30"}))
-    await asyncio.sleep(0.3)
-    await sessions.cancel_turn(pool, alice[1], ctx.run["turn_id"])
-    out = await command
-    assert out["cancelled"] and not out["timed_out"]
-    assert time.monotonic() - started < 5
+    own = asyncio.create_task(sandbox_tools.run_command(ctx, {"command": _wait_for_go("own")}))
+    other = asyncio.create_task(sandbox_tools.run_command(member, {"command": _wait_for_go("member")}))
+    for _ in range(500):  # both commands are running
+        if all((box.workdir / f"started-{n}").exists() for n in ("own", "member")):
+            break
+        await asyncio.sleep(0.01)
+    assert (await sessions.cancel_turn(pool, scope, ctx.run["turn_id"])).status == "running"
+    own_out = await asyncio.wait_for(own, 5)
+    (box.workdir / "go").touch()
+    other_out = await asyncio.wait_for(other, 5)
+    marks = sorted(p.name for p in box.workdir.glob("done-*"))
+    return own_out, other_out, marks, box
+
+
+async def test_cancel_stops_only_the_turns_own_command(pool, alice, tmp_path):
+    # Guard: run_command stops on its own turn's cancel intent
+    # (runs.cancel_requested of ctx.run's turn, the `cancel_requested`
+    # query) and kills only its own process group; the cancel leaves the
+    # sandbox alone. Another member's command in the same sandbox goes on.
+    own, other, marks, box = await _cancel_one_of_two_commands(pool, alice[1], tmp_path)
+    assert own["cancelled"] and not own["timed_out"]
+    assert not other["cancelled"] and other["exit_code"] == 0
+    assert marks == ["done-member"]  # the member's command lived on; the turn's did not
     # The sandbox itself stays for the other members.
     assert (box.tmp / "shared").read_text() == "others use this"
     assert await scalar(pool, "SELECT status FROM yuxi.sandboxes") == "active"
+
+
+async def test_without_the_turns_own_intent_a_members_command_is_stopped(
+        pool, alice, tmp_path, monkeypatch):
+    # Negative case: the intent check no longer keyed by the command's own
+    # turn (it reads any turn of the tree): the member's command, whose turn
+    # nobody cancelled, is stopped too.
+    from yuxi import db
+    old = "FROM yuxi.turns WHERE id = %(turn_id)s"
+    assert old in db.QUERIES["cancel_requested"]
+    monkeypatch.setitem(db.QUERIES, "cancel_requested", db.QUERIES["cancel_requested"].replace(
+        old, "FROM yuxi.turns WHERE tree_id = (SELECT tree_id FROM yuxi.turns "
+             "WHERE id = %(turn_id)s) ORDER BY cancel_requested_at IS NULL LIMIT 1"))
+    own, other, marks, _ = await _cancel_one_of_two_commands(pool, alice[1], tmp_path)
+    assert own["cancelled"] and other["cancelled"]
+    assert marks == []

@@ -8,6 +8,7 @@ import uuid
 import psycopg
 import pytest
 
+from tests.integration.helpers import rewrite_function_sync
 from tests.integration.test_slots import NEW_PENDING_RUN, make_tree
 from yuxi import db
 from yuxi.errors import IllegalTransition, LeaseLost, NotFound
@@ -40,11 +41,29 @@ def _sqlstate(conn, sql: str, params) -> str | None:
     return None
 
 
+END_RUN = {"complete": "SELECT yuxi.complete_run_v1(%s, %s, '{}')",
+           "fail": "SELECT yuxi.fail_run_v1(%s, %s, 'boom')"}
+
+
 @pytest.mark.parametrize("status", RUN_STATES)
 def test_only_a_running_run_can_be_completed_or_failed(postgresql, status):
-    run, token = _run_in_state(postgresql, status)
-    expected = None if status == "running" else "YX003"
-    assert _sqlstate(postgresql, "SELECT yuxi.complete_run_v1(%s, %s, '{}')", (run, token)) == expected
+    # Guard: fence_run_v1, the start of both, refuses a run not `running`
+    # (YX003) even with its lease token and an unexpired lease.
+    for end, ended in (("complete", "completed"), ("fail", "failed")):
+        run, token = _run_in_state(postgresql, status)
+        expected = None if status == "running" else "YX003"
+        assert _sqlstate(postgresql, END_RUN[end], (run, token)) == expected, end
+        assert postgresql.execute("SELECT status FROM yuxi.runs WHERE id = %s", (run,)).fetchone()[0] \
+            == (ended if status == "running" else status)
+
+
+def test_without_the_status_check_a_finished_run_is_ended_again(postgresql):
+    # Negative case: fence_run_v1 without its status condition lets the lease
+    # holder of a run that already completed end it once more.
+    rewrite_function_sync(postgresql, "yuxi.fence_run_v1", "v_run.status <> 'running' OR ", "")
+    for end in END_RUN:
+        run, token = _run_in_state(postgresql, "completed")
+        assert _sqlstate(postgresql, END_RUN[end], (run, token)) is None, end
 
 
 @pytest.mark.parametrize("status", RUN_STATES)

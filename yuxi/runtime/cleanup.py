@@ -5,11 +5,14 @@ Three commits, each safe to retry from the start after a crash (every step
 checks whether it is still needed, from committed state):
 
 1. `as_node=END`: merge the pending writes of tool calls that already
-   finished and clear the waiting tasks (nothing finished is lost);
+   finished and clear the waiting tasks (nothing finished is lost)
+   (`merge_finished_writes`);
 2. for every call of the current AI message that has no result, a
    cancellation ToolMessage whose id is derived from the AI message id and
-   the call id (a retry replaces it, never duplicates it);
-3. `as_node=END` again: clear the tasks step 2 triggered.
+   the call id (a retry replaces it, never duplicates it)
+   (`answer_unpaired_calls`);
+3. `as_node=END` again: clear the tasks step 2 triggered
+   (`clear_triggered_tasks`).
 
 Only then does the turn end `cancelled`, and the conversation is valid for
 the next model call (every tool call paired).
@@ -55,40 +58,57 @@ def unanswered_calls(messages: list[Any]) -> tuple[AIMessage | None, list[str]]:
     return None, []
 
 
+async def merge_finished_writes(graph: Any, cfg: dict[str, Any], state: Any) -> bool:
+    """Step 1 (and the merge any retry needs): `as_node=END` applies the
+    pending writes of tool calls that finished and clears the waiting tasks.
+    Returns whether it committed."""
+    if not (state.next or any(t.writes for t in state.tasks)):
+        return False
+    await graph.aupdate_state(cfg, None, as_node=END)
+    return True
+
+
+async def answer_unpaired_calls(graph: Any, cfg: dict[str, Any], state: Any) -> bool:
+    """Step 2: a cancellation ToolMessage for every call of the current AI
+    message that has no result (fixed ids: a retry replaces, never adds)."""
+    ai, missing = unanswered_calls(state.values.get("messages", []))
+    if not missing:
+        return False
+    names = {c["id"]: c["name"] for c in ai.tool_calls}
+    await graph.aupdate_state(cfg, {"messages": [
+        ToolMessage(content=CANCELLED_RESULT, tool_call_id=call_id, name=names[call_id],
+                    id=f"cancel:{ai.id}:{call_id}") for call_id in missing]},
+        as_node="tool")
+    return True
+
+
+async def clear_triggered_tasks(graph: Any, cfg: dict[str, Any], state: Any) -> bool:
+    """Step 3: `as_node=END` again clears the model task step 2 scheduled."""
+    if not state.next:
+        return False
+    await graph.aupdate_state(cfg, None, as_node=END)
+    return True
+
+
 async def clean_checkpoint(checkpoint_pool: AsyncConnectionPool, session_id: uuid.UUID,
                            *, stop_after: int | None = None) -> int:
     """Run the cleanup steps still needed; returns how many commits it made.
     `stop_after` ends early after that many commits (to test crash points)."""
     graph = checkpoint_only_graph(checkpoint_pool)
     cfg = {"configurable": {"thread_id": str(session_id)}}
-    commits = 0
-
-    def done() -> bool:
-        return stop_after is not None and commits >= stop_after
-
     state = await graph.aget_state(cfg)
     if not state.values:
         return 0  # no checkpoint: nothing ran
-    if state.next or any(t.writes for t in state.tasks):
-        await graph.aupdate_state(cfg, None, as_node=END)  # 1
+    # Looked up here, at each call: each step can be addressed on its own.
+    steps = (merge_finished_writes, answer_unpaired_calls, clear_triggered_tasks)
+    commits = 0
+    for number, step in enumerate(steps, 1):
+        if not await step(graph, cfg, state):
+            continue
         commits += 1
-        if done():
-            return commits
+        if number == len(steps) or (stop_after is not None and commits >= stop_after):
+            break
         state = await graph.aget_state(cfg)
-    ai, missing = unanswered_calls(state.values.get("messages", []))
-    if missing:
-        names = {c["id"]: c["name"] for c in ai.tool_calls}
-        await graph.aupdate_state(cfg, {"messages": [
-            ToolMessage(content=CANCELLED_RESULT, tool_call_id=call_id, name=names[call_id],
-                        id=f"cancel:{ai.id}:{call_id}") for call_id in missing]},
-            as_node="tool")  # 2
-        commits += 1
-        if done():
-            return commits
-        state = await graph.aget_state(cfg)
-    if state.next:
-        await graph.aupdate_state(cfg, None, as_node=END)  # 3
-        commits += 1
     return commits
 
 
