@@ -176,9 +176,12 @@ $$;
 
 -- "Stop all" (a user action on any member): cancel every in-flight turn of
 -- the tree and pause every member's queue, in one transaction under the tree
--- lock. The lock comes first, before the turns are read: a turn started by a
--- transaction still open (it holds the tree row) is seen once that commits,
--- and cancelled; read without the lock it would be missed and run on.
+-- lock. The lock comes first, before the members and turns are read: a
+-- member or turn started by a transaction still open (it holds the tree row)
+-- is seen once that commits, and cancelled; read without the lock it would be
+-- missed and run on. (Pausing an open queue takes the tree lock too, through
+-- its queue.paused event; when every queue is paused already, this lock is
+-- the only one.)
 -- Returns how many turns it cancelled or asked to cancel.
 CREATE FUNCTION yuxi.stop_tree_v1(p_user uuid, p_app uuid, p_session uuid) RETURNS integer
     LANGUAGE plpgsql AS $$

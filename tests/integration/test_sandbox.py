@@ -208,6 +208,9 @@ async def _cancel_one_of_two_commands(pool, scope, tmp_path):
         await asyncio.sleep(0.01)
     assert (await sessions.cancel_turn(pool, scope, ctx.run["turn_id"])).status == "running"
     own_out = await asyncio.wait_for(own, 5)
+    # A command stopped by the cancel ends within one intent poll (0.5 s)
+    # of it, without `go`; then `go` lets a surviving one end.
+    await asyncio.wait({other}, timeout=1.5)
     (box.workdir / "go").touch()
     other_out = await asyncio.wait_for(other, 5)
     marks = sorted(p.name for p in box.workdir.glob("done-*"))
