@@ -244,6 +244,9 @@ BEGIN
         outcome := 'steer';
         RETURN;
     END IF;
+    -- The turn's final checkpoint supersedes every earlier one (still under
+    -- the lease, which the checkpoint tables' fence checks).
+    PERFORM yuxi.prune_checkpoints_v1(v_run.session_id::text);
     UPDATE yuxi.runs SET status = 'completed', output = p_output, finished_at = now()
      WHERE id = p_run;
     PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,

@@ -40,3 +40,32 @@ CREATE TRIGGER checkpoint_blobs_fence BEFORE INSERT OR UPDATE OR DELETE ON langg
     FOR EACH STATEMENT EXECUTE FUNCTION yuxi.fence_checkpoint_write_v1();
 CREATE TRIGGER checkpoint_writes_fence BEFORE INSERT OR UPDATE OR DELETE ON langgraph.checkpoint_writes
     FOR EACH STATEMENT EXECUTE FUNCTION yuxi.fence_checkpoint_write_v1();
+
+-- Superseded checkpoints of a session's thread: everything but the latest
+-- checkpoint, its pending writes and the blobs it references. LangGraph
+-- stores a channel's whole value at each version (the message list at every
+-- step), so a thread kept whole grows with the square of its history; pruned,
+-- with its length. Only what resumes a thread is ever read: the latest
+-- checkpoint and its writes (a run, a wait's resume and a cancel's cleanup
+-- all start there). Called by the run that completes its turn, under its
+-- lease: no other writer of the thread can run meanwhile.
+CREATE FUNCTION yuxi.prune_checkpoints_v1(p_thread text) RETURNS void
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_latest langgraph.checkpoints;
+BEGIN
+    SELECT * INTO v_latest FROM langgraph.checkpoints
+     WHERE thread_id = p_thread AND checkpoint_ns = ''
+     ORDER BY checkpoint_id DESC LIMIT 1;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    DELETE FROM langgraph.checkpoint_writes
+     WHERE thread_id = p_thread AND checkpoint_ns = '' AND checkpoint_id < v_latest.checkpoint_id;
+    DELETE FROM langgraph.checkpoints
+     WHERE thread_id = p_thread AND checkpoint_ns = '' AND checkpoint_id < v_latest.checkpoint_id;
+    DELETE FROM langgraph.checkpoint_blobs b
+     WHERE b.thread_id = p_thread AND b.checkpoint_ns = ''
+       AND (v_latest.checkpoint->'channel_versions'->>b.channel) IS DISTINCT FROM b.version;
+END;
+$$;
