@@ -107,7 +107,7 @@ async def list_sessions(
     async with pool.connection() as conn:
         rows = await db.fetch_all(
             conn,
-            "list_root_sessions",
+            "list_root_sessions_after" if cursor else "list_root_sessions",
             {**scope.params(), "after_created": after_created, "after_id": after_id,
              "limit": limit + 1},
         )
