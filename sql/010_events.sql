@@ -64,3 +64,35 @@ BEGIN
     RETURN v_seq;
 END;
 $$;
+
+-- Event retention (`yuxi events prune --before T`): a tree's events created
+-- before T go, except
+--   * its last event: numbers continue from it (the next is max(seq) + 1),
+--     so a reader's cursor never sees a number twice;
+--   * the facts waits consume (session_updates_v1: turns reaching a terminal
+--     or waiting state, messages sent): wait_sessions reads them after its
+--     own cursor, however old that is;
+-- and a live tree (a turn not yet terminal) keeps everything: its replays and
+-- the dedupe keys of steps that may still re-execute. Events written
+-- meanwhile are newer than T and numbered after the horizon read here.
+-- Returns the number of events deleted.
+CREATE FUNCTION yuxi.prune_tree_events_v1(p_tree uuid, p_before timestamptz) RETURNS integer
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_horizon bigint;
+    v_count integer;
+BEGIN
+    IF EXISTS (SELECT 1 FROM yuxi.turns WHERE tree_id = p_tree
+                AND status NOT IN ('completed', 'failed', 'cancelled')) THEN
+        RETURN 0;
+    END IF;
+    SELECT least(min(seq) FILTER (WHERE created_at >= p_before), max(seq)) INTO v_horizon
+      FROM yuxi.events WHERE tree_id = p_tree;
+    DELETE FROM yuxi.events
+     WHERE tree_id = p_tree AND seq < v_horizon
+       AND type NOT IN ('turn.completed', 'turn.failed', 'turn.cancelled', 'turn.waiting',
+                        'turn.waiting_user', 'message.sent');
+    GET DIAGNOSTICS v_count = ROW_COUNT;
+    RETURN v_count;
+END;
+$$;

@@ -364,3 +364,13 @@ SELECT 'message', m.id, m.content, s.path, m.sender_session_id, m.seq
   FROM yuxi.messages m JOIN yuxi.sessions s ON s.id = m.sender_session_id
  WHERE m.receiver_session_id = %(session_id)s AND m.processed_at IS NULL
 ORDER BY 1, 6;
+
+-- Retention ----------------------------------------------------------------
+
+-- name: trees_with_events_before
+SELECT id FROM yuxi.trees t
+WHERE EXISTS (SELECT 1 FROM yuxi.events e WHERE e.tree_id = t.id AND e.created_at < %(before)s)
+ORDER BY id;
+
+-- name: prune_tree_events
+SELECT yuxi.prune_tree_events_v1(%(tree_id)s, %(before)s) AS deleted;

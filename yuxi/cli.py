@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime as dt
 import json
 import os
 import re
@@ -98,6 +99,19 @@ def cmd_grants(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def cmd_events_prune(args: argparse.Namespace, settings: Settings) -> int:
+    from yuxi.services import retention
+
+    async def prune() -> tuple[int, int]:
+        async with _schema_pool(settings.database_url) as pool:
+            return await retention.prune_events(pool, args.before)
+
+    trees, deleted = asyncio.run(prune())
+    print(f"deleted {deleted} events created before {args.before.isoformat()} "
+          f"in {trees} trees")
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     import uvicorn
 
@@ -179,6 +193,20 @@ def _json_config(value: str) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise argparse.ArgumentTypeError("the agent config must be a JSON object")
     return config
+
+
+def _time_before(value: str) -> dt.datetime:
+    """`--before`: an ISO 8601 time (UTC unless it says otherwise) or an age
+    such as 30d, 12h, 45m."""
+    if match := re.fullmatch(r"(\d+)([dhm])", value.strip()):
+        unit = {"d": "days", "h": "hours", "m": "minutes"}[match[2]]
+        return dt.datetime.now(dt.UTC) - dt.timedelta(**{unit: int(match[1])})
+    try:
+        at = dt.datetime.fromisoformat(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is neither an ISO 8601 time nor an age like 30d, 12h or 45m") from None
+    return at if at.tzinfo else at.replace(tzinfo=dt.UTC)
 
 
 def one_line(exc: BaseException) -> str:
@@ -407,6 +435,16 @@ def build_parser() -> argparse.ArgumentParser:
         grant.add_argument("--resource", required=True,
                            help="collection:<name> or tool_group:<name>")
         grant.set_defaults(func=cmd_grants)
+
+    events = commands.add_parser("events", help="the event log")
+    events_commands = events.add_subparsers(dest="events_command", required=True,
+                                            metavar="COMMAND")
+    prune = events_commands.add_parser(
+        "prune", help="delete events created before a time (keeps what replays of live trees, "
+        "waits and numbering need; docs/operator-guide.md)")
+    prune.add_argument("--before", required=True, type=_time_before,
+                       help="ISO 8601 time, or an age such as 30d, 12h, 45m")
+    prune.set_defaults(func=cmd_events_prune)
 
     serve = commands.add_parser("serve", help="run the HTTP API (uvicorn)")
     serve.add_argument("--host", help="default: YUXI_HOST or 127.0.0.1")
