@@ -162,3 +162,38 @@ def wait_until(predicate, timeout: float = 20.0, what: str = "condition"):
             return value
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def signed_in_state(stack, browser) -> dict:
+    """The cookies of one sign-in through the form (reused by every page)."""
+    context = browser.new_context()
+    page = context.new_page()
+    sign_in(page, stack.base, stack.key)
+    state = context.storage_state()
+    context.close()
+    return state
+
+
+class PageErrors(list):
+    """Uncaught page errors (a test ends with none)."""
+
+
+@pytest.fixture
+def new_page(browser, signed_in_state):
+    """new_page(width=1280, scheme='light') -> a signed-in page."""
+    contexts = []
+
+    def make(width: int = 1280, height: int = 800, scheme: str = "light", signed_in=True):
+        context = browser.new_context(viewport={"width": width, "height": height},
+                                      color_scheme=scheme,
+                                      storage_state=signed_in_state if signed_in else None)
+        contexts.append(context)
+        page = context.new_page()
+        page.errors = PageErrors()
+        page.on("pageerror", lambda e: page.errors.append(str(e)))
+        return page
+
+    yield make
+    for context in contexts:
+        context.close()

@@ -82,6 +82,7 @@ function Shell({ onSignedOut }) {
   const [opened, setOpened] = useState([]);        // kept-alive workspaces (root ids)
   const [focus, setFocus] = useState({});          // root id -> member id to open
   const [unread, setUnread] = useState({});
+  const [live, setLive] = useState({});            // root id -> status seen on its open stream
   const [creating, setCreating] = useState(false);
   const [missing, setMissing] = useState(null);
   const pages = useRef(1);
@@ -143,6 +144,7 @@ function Shell({ onSignedOut }) {
   const byId = Object.fromEntries(roots.map((s) => [s.id, s]));
 
   const markUnread = useCallback((rootId) => setUnread((u) => ({ ...u, [rootId]: true })), []);
+  const reportStatus = useCallback((rootId, status) => setLive((l) => ({ ...l, [rootId]: status })), []);
 
   const more = async () => {
     pages.current += 1;
@@ -172,12 +174,13 @@ function Shell({ onSignedOut }) {
       <nav aria-label="Sessions" class="sessions">
         <ul>
           ${roots.map((s) => {
-            const running = s.status && s.status !== 'idle';
+            const status = live[s.id] || s.status;
+            const running = status && status !== 'idle';
             return html`<li key=${s.id}>
               <a href=${sessionHref(s.id)} aria-current=${s.id === activeRoot ? 'page' : undefined}
                  onClick=${(e) => link(e, sessionHref(s.id))}>
                 <span class="name">${titleOf(s)}</span>
-                ${running && html`<span class="marker marker-running" title=${s.status}>${s.status.replace('_', ' ')}</span>`}
+                ${running && html`<span class="marker marker-running" title=${status}>${status.replace('_', ' ')}</span>`}
                 ${unread[s.id] && html`<span class="marker marker-unread">unread</span>`}
               </a></li>`;
           })}
@@ -194,7 +197,7 @@ function Shell({ onSignedOut }) {
         ${missing && html`<p class="error" role="alert">Session not found: ${missing.message}</p>`}
         ${opened.map((rootId) => html`<${Workspace} key=${rootId} rootId=${rootId}
             session=${byId[rootId]} active=${!creating && rootId === activeRoot && !missing}
-            focus=${focus[rootId]} onUnread=${markUnread} />`)}
+            focus=${focus[rootId]} onUnread=${markUnread} onStatus=${reportStatus} />`)}
       </main>
     </div>
   </div>`;
@@ -256,7 +259,7 @@ function NewSession({ onCancel, onCreated }) {
 
 // ---------------------------------------------------------------- workspace
 
-function Workspace({ rootId, session, active, focus, onUnread }) {
+function Workspace({ rootId, session, active, focus, onUnread, onStatus }) {
   const rt = useRuntime(rootId);
   const tree = rt.tree;
   const root = tree.members[rootId];
@@ -296,6 +299,8 @@ function Workspace({ rootId, session, active, focus, onUnread }) {
   }, [panelOpen, mode, active]);
 
   const summary = summarize(tree);
+  const rootStatus = root ? memberStatus(root) : null;
+  useEffect(() => { if (rootStatus) onStatus(rootId, rootStatus); }, [rootStatus]);
   const panel = panelOpen && html`<${StatusPanel} panelRef=${panelRef} mode=${mode} summary=${summary}
       rootId=${rootId} onOpenList=${() => openTab('coop')} />`;
   const entry = html`<div class="status-entry" ref=${entryRef}>
