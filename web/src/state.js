@@ -77,7 +77,7 @@ export function applyEvent(tree, ev) {
       m.inputs[d.input_id] = { content: null, ...known, id: d.input_id, mode: d.mode,
                                steer: !!d.steer, turnId, seq: ev.seq,
                                state: d.steer ? 'steer' : 'queued' };
-      if (!known) m.inputOrder.push(d.input_id);
+      if (!m.inputOrder.includes(d.input_id)) m.inputOrder.push(d.input_id);
       put(m, { key: `input:${d.input_id}`, kind: 'user', inputId: d.input_id, mode: d.mode,
                steer: !!d.steer, content: m.inputs[d.input_id].content });
       break;

@@ -58,6 +58,15 @@ test('queued inputs keep FIFO positions until their turn starts', () => {
   assert.equal(m.items.find((i) => i.inputId === 'i3').content, 'third');
 });
 
+test('an input whose text is known from the receipt first still queues', () => {
+  const t = tree();
+  applyEvent(t, ev('input.received', { input_id: 'i1', mode: 'steer', steer: false }, { turn_id: 't1' }));
+  applyEvent(t, ev('turn.started', { input_id: 'i1' }, { turn_id: 't1' }));
+  setInputContent(t, ROOT, 'i2', 'mine');       // the receipt came before the event
+  applyEvent(t, ev('input.received', { input_id: 'i2', mode: 'queue', steer: false }, { turn_id: 't2' }));
+  assert.deepEqual(queuedInputs(t.members[ROOT]).map((i) => [i.content, i.position]), [['mine', 1]]);
+});
+
 test('a pending request shows until answered; pause and continue', () => {
   const t = tree();
   applyEvent(t, ev('input.received', { input_id: 'i1', mode: 'steer', steer: false }, { turn_id: 't1' }));
