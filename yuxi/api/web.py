@@ -14,7 +14,7 @@ import msgspec
 from litestar import Request, Response, delete, get, post
 from litestar.datastructures import Cookie
 from litestar.exceptions import NotAuthorizedException
-from litestar.params import JSONBody
+from litestar.params import FromPath, JSONBody
 from litestar.response import File
 
 from yuxi.api.auth import (CSRF_COOKIE, CSRF_HEADER, SESSION_COOKIE, Caller, CsrfRejected,
@@ -42,7 +42,7 @@ async def index_page() -> File:
 
 
 @get("/sessions/{session_id:str}", include_in_schema=False)
-async def session_page(session_id: str) -> File:
+async def session_page(session_id: FromPath[str]) -> File:
     return _page()
 
 
