@@ -19,13 +19,24 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	@touch $@
 
-setup: system-packages $(STAMP) ## create .venv and install the project (only when needed)
+# The web UI's npm packages (only when the lock file changed) and its bundle
+# (web/dist/app.js, not minified) whenever a source changed.
+WEB_STAMP := web/node_modules/.installed
+$(WEB_STAMP): web/package-lock.json
+	cd web && npm ci --no-audit --no-fund --loglevel=error
+	@touch $@
+
+web/dist/app.js: $(WEB_STAMP) web/build.mjs $(wildcard web/src/*.js)
+	cd web && node build.mjs
+
+setup: system-packages $(STAMP) web/dist/app.js ## create .venv, install the project and build the web UI (only when needed)
 
 # The confined sandbox needs bubblewrap (and slirp4netns for
-# YUXI_SANDBOX_NETWORK=outbound); as root on Debian they are installed here,
-# elsewhere the missing ones are named (the sandbox tools refuse to run
-# without them: docs/sandbox.md).
-SYSTEM_PACKAGES := bwrap:bubblewrap slirp4netns:slirp4netns
+# YUXI_SANDBOX_NETWORK=outbound), the browser tests Debian's chromium and the
+# web UI node/npm; as root on Debian they are installed here, elsewhere the
+# missing ones are named (the sandbox tools refuse to run without them:
+# docs/sandbox.md).
+SYSTEM_PACKAGES := bwrap:bubblewrap slirp4netns:slirp4netns chromium:chromium npm:npm
 system-packages:
 	@missing=""; for pair in $(SYSTEM_PACKAGES); do \
 		command -v $${pair%%:*} >/dev/null || missing="$$missing $${pair#*:}"; done; \
@@ -33,7 +44,7 @@ system-packages:
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 			echo "installing$$missing"; apt-get update -qq && \
 			DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
-		else echo "yuxi: please install$$missing (the confined sandbox needs them)"; fi; fi
+		else echo "yuxi: please install$$missing (the sandbox, the web UI and its browser tests need them)"; fi; fi
 
 run: setup ## set up the database (embedded if none) and run the API and a worker
 	$(BIN)/yuxi dev

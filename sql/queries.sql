@@ -22,6 +22,10 @@ RETURNING id;
 SELECT user_id, app_id FROM yuxi.api_keys
 WHERE key_hash = %(key_hash)s AND revoked_at IS NULL;
 
+-- name: revoke_api_key
+UPDATE yuxi.api_keys SET revoked_at = now()
+WHERE key_hash = %(key_hash)s AND revoked_at IS NULL;
+
 -- Agents -------------------------------------------------------------------
 
 -- name: insert_agent

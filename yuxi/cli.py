@@ -366,6 +366,7 @@ def _banner(settings: Settings, url: str, embedded: bool, key: str, agent_id) ->
     where = " (embedded server)" if embedded else ""
     return f"""
 Yuxi sessions is running (Ctrl-C stops it).
+  web UI    {base}/   (open it in a browser; sign in with the API key below)
   API       {base}
   database  {_display_url(url)}{where}
   API key   {key}

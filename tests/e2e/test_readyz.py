@@ -32,7 +32,7 @@ async def test_readyz_waits_for_a_worker_and_status_page_renders(api, start_work
         assert body["status"] == "not_ready" and body["workers"] == 0
         assert body["database"] is True
 
-        page = await anon.get("/")
+        page = await anon.get("/status")
         assert page.status_code == 200
         assert "workers" in page.text and f"v{__version__}" in page.text
 
@@ -53,7 +53,7 @@ async def test_readyz_waits_for_a_worker_and_status_page_renders(api, start_work
                 receipt = await post_input(c, session["id"], text, mode="queue")
                 await wait_turn_done(c, receipt["turn_id"])
 
-        page = await anon.get("/")
+        page = await anon.get("/status")
         assert page.status_code == 200
         assert page.headers["content-type"].startswith("text/html")
         html = page.text

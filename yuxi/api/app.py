@@ -16,7 +16,7 @@ from litestar.template import TemplateConfig
 
 from yuxi import __version__, db
 from yuxi.heap import freeze_startup_heap
-from yuxi.api import errors, events, health, routes
+from yuxi.api import errors, events, health, routes, web
 from yuxi.api.auth import KeyCache, provide_scope
 from yuxi.api.hub import EventHub
 from yuxi.settings import Settings
@@ -49,8 +49,11 @@ def create_app(settings: Settings | None = None) -> Litestar:
         route_handlers=[
             routes.AgentController, routes.SessionController, routes.InputController,
             routes.TurnController, events.stream_events, health.healthz, health.readyz,
-            health.status_page,
+            health.status_page, routes.list_models,
+            web.index_page, web.session_page, web.sign_in, web.who_am_i, web.sign_out,
             create_static_files_router(path="/static", directories=[WEB_DIR / "static"],
+                                       include_in_schema=False),
+            create_static_files_router(path="/assets", directories=[WEB_DIR / "dist"],
                                        include_in_schema=False),
         ],
         dependencies={"caller": Provide(provide_scope)},

@@ -1,4 +1,4 @@
-"""Health endpoints and the status page at `/`."""
+"""Health endpoints and the status page at `/status`."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ async def readyz(request: Request) -> Response[dict[str, Any]]:
     )
 
 
-@get("/", operation_id="statusPage", include_in_schema=False)
+@get("/status", operation_id="statusPage", include_in_schema=False)
 async def status_page(request: Request) -> Template:
     counts: dict[str, dict[str, int]] = {"sessions": {}, "turns": {}, "runs": {}}
     error = None

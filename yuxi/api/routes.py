@@ -14,11 +14,18 @@ from yuxi.api.schemas import (AgentCreate, InputCreate, Page, SessionCreate, Ses
                               TurnAnswer)
 from yuxi.api.auth import Caller
 from yuxi.domain import Agent, Input, Receipt, Scope, Session, Turn, TurnResult
+from yuxi.runtime.models import PROVIDERS
 from yuxi.services import accounts, conversation, sessions
 
 
 def _pool(request: Request):
     return request.app.state.pool
+
+
+@get("/api/models", operation_id="listModels", tags=["models"])
+async def list_models(caller: Caller) -> dict[str, list[dict[str, str]]]:
+    """The models a session may name: one entry per registered provider."""
+    return {"items": [{"id": name, "provider": name} for name in sorted(PROVIDERS)]}
 
 
 class AgentController(Controller):

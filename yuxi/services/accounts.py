@@ -51,6 +51,20 @@ async def create_key(pool: AsyncConnectionPool, user: str, app: str) -> tuple[st
     return key, scope
 
 
+async def create_key_for_scope(pool: AsyncConnectionPool, scope: Scope) -> str:
+    """A new key of an existing scope (the web UI's sign-in cookie holds one)."""
+    key = KEY_PREFIX + secrets.token_urlsafe(32)
+    async with db.transaction(pool) as conn:
+        await db.execute(conn, "insert_api_key",
+                         {**scope.params(), "key_hash": hash_key(key), "key_prefix": key[:8]})
+    return key
+
+
+async def revoke_key(pool: AsyncConnectionPool, key: str) -> None:
+    async with db.transaction(pool) as conn:
+        await db.execute(conn, "revoke_api_key", {"key_hash": hash_key(key)})
+
+
 async def authenticate(pool: AsyncConnectionPool, key: str) -> Scope | None:
     async with pool.connection() as conn:
         row = await db.fetch_one(conn, "authenticate", {"key_hash": hash_key(key)})
