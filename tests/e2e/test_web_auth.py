@@ -6,8 +6,11 @@ out revokes the cookie's key; bearer keys are unchanged."""
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from tests.e2e.helpers import create_agent, ok
+
+pytestmark = pytest.mark.e2e
 
 
 async def test_cookie_sign_in_csrf_and_sign_out(api, alice, mallory):
