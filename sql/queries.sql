@@ -294,6 +294,9 @@ LIMIT %(limit)s;
 -- name: tree_slots
 SELECT slot_capacity - held AS free, held, waiting FROM yuxi.tree_slots_v WHERE tree_id = %(tree_id)s;
 
+-- name: tree_slot_use
+SELECT slot_capacity AS capacity, held, waiting FROM yuxi.tree_slots_v WHERE tree_id = %(tree_id)s;
+
 -- name: mark_messages_processed
 SELECT yuxi.mark_messages_processed_v1(%(run_id)s, %(token)s, %(message_ids)s) AS marked;
 
