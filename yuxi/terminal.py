@@ -260,6 +260,7 @@ class Chat:
         self.asking: asyncio.Future | None = None
         self.tasks: set[asyncio.Task] = set()
         self.error: BaseException | None = None
+        self.cancelling: asyncio.Task | None = None  # a cancel request on its way
 
     def say(self, text: str) -> None:
         if not self.json_out:
@@ -358,7 +359,8 @@ class Chat:
         self.interrupts += 1
         if self.turn is not None and self.interrupts == 1:
             self.say("· cancelling the running turn (Ctrl-C again exits)")
-            self.spawn(self.api.cancel_turn(self.turn))
+            self.cancelling = asyncio.create_task(self.api.cancel_turn(self.turn))
+            self.cancelling.add_done_callback(self._finished)
             return
         self.exit_code = EXIT_INTERRUPTED
         self.done.set()
@@ -448,6 +450,8 @@ async def _chat(args: argparse.Namespace) -> int:
         chat.spawn(chat.read_lines())
         try:
             await chat.done.wait()
+            if chat.cancelling is not None:  # exiting must not drop the cancel request
+                await asyncio.wait([chat.cancelling], timeout=10)
         finally:
             loop.remove_reader(sys.stdin.fileno())
             loop.remove_signal_handler(signal.SIGINT)
