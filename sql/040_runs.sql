@@ -41,7 +41,7 @@ $$;
 -- checkpointer writes on; it is marked with the lease in this transaction
 -- (sql/110_checkpoint_fence.sql), which saves the worker a round trip.
 CREATE FUNCTION yuxi.start_run_v1(p_run uuid, p_token uuid, p_lease_seconds double precision,
-                                  p_mark boolean DEFAULT false)
+                                  p_mark boolean DEFAULT false, p_host text DEFAULT NULL)
 RETURNS yuxi.leased_run
     LANGUAGE plpgsql AS $$
 DECLARE
@@ -53,7 +53,7 @@ BEGIN
     END IF;
     PERFORM yuxi.lock_tree_v1(v_run.tree_id);
     UPDATE yuxi.runs
-       SET status = 'running', lease_token = p_token, started_at = now(),
+       SET status = 'running', lease_token = p_token, started_at = now(), host_id = p_host,
            lease_expires_at = clock_timestamp() + make_interval(secs => p_lease_seconds)
      WHERE id = p_run AND status = 'ready'
     RETURNING * INTO v_run;
@@ -61,7 +61,8 @@ BEGIN
         RETURN NULL;
     END IF;
     PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
-                               'run.started', jsonb_build_object('attempt', v_run.attempt));
+                               'run.started', jsonb_strip_nulls(jsonb_build_object(
+                                   'attempt', v_run.attempt, 'host', p_host)));
     IF p_mark THEN
         PERFORM yuxi.mark_checkpoint_connection_v1(p_run::text, p_token::text);
     END IF;
@@ -250,6 +251,8 @@ BEGIN
                                'run.completed', '{}');
     v_next := yuxi.finish_turn_v1(p_run, 'completed', NULL, p_next_token, p_lease_seconds);
     IF v_next IS NOT NULL THEN
+        -- Leased to the same worker: the same host.
+        UPDATE yuxi.runs SET host_id = v_run.host_id WHERE id = v_next;
         IF p_mark THEN
             PERFORM yuxi.mark_checkpoint_connection_v1(v_next::text, p_next_token::text);
         END IF;

@@ -131,7 +131,7 @@ LIMIT %(limit)s;
 -- Runs (worker side) -------------------------------------------------------
 
 -- name: start_run
-SELECT * FROM yuxi.start_run_v1(%(run_id)s, %(token)s, %(lease_seconds)s, %(mark)s)
+SELECT * FROM yuxi.start_run_v1(%(run_id)s, %(token)s, %(lease_seconds)s, %(mark)s, %(host)s)
 WHERE id IS NOT NULL;
 
 -- name: heartbeat_run
@@ -316,7 +316,7 @@ SELECT yuxi.answer_turn_v1(%(user_id)s, %(app_id)s, %(turn_id)s, %(wait_id)s, %(
 -- Sandbox -------------------------------------------------------------------
 
 -- name: claim_sandbox
-SELECT yuxi.claim_sandbox_v1(%(run_id)s, %(token)s, %(now)s) AS generation;
+SELECT yuxi.claim_sandbox_v1(%(run_id)s, %(token)s, %(now)s, %(host)s) AS generation;
 
 -- name: touch_sandbox
 SELECT yuxi.touch_sandbox_v1(%(tree_id)s, %(now)s);
@@ -324,6 +324,7 @@ SELECT yuxi.touch_sandbox_v1(%(tree_id)s, %(now)s);
 -- name: idle_sandboxes
 SELECT tree_id FROM yuxi.sandboxes
 WHERE status = 'active' AND last_activity_at < %(before)s
+  AND host_id IS NOT DISTINCT FROM %(host)s
 ORDER BY last_activity_at LIMIT 100;
 
 -- name: begin_sandbox_release
@@ -354,3 +355,14 @@ SELECT 'message', m.id, m.content, s.path, m.sender_session_id, m.seq
   FROM yuxi.messages m JOIN yuxi.sessions s ON s.id = m.sender_session_id
  WHERE m.receiver_session_id = %(session_id)s AND m.processed_at IS NULL
 ORDER BY 1, 6;
+
+-- Worker hosts ----------------------------------------------------------------
+
+-- name: host_heartbeat
+SELECT yuxi.host_heartbeat_v1(%(host)s);
+
+-- name: release_dead_hosts
+SELECT yuxi.release_dead_hosts_v1(%(timeout)s) AS released;
+
+-- name: yield_run
+SELECT yuxi.yield_run_v1(%(run_id)s, %(token)s) AS queue;

@@ -15,7 +15,7 @@ import uuid
 
 from procrastinate import JobContext
 
-from workers.app import app, settings
+from workers.app import HOST_QUEUE, app, settings
 from yuxi import db
 from yuxi.heap import freeze_startup_heap
 from yuxi.runtime import cleanup, confine
@@ -38,7 +38,30 @@ async def _executor() -> RunExecutor:
             await pool.open(wait=True)
             await checkpoints.open(wait=True)
             _context["executor"] = RunExecutor(settings, pool, checkpoints)
+            # The host heartbeat goes on in this process whatever its jobs do
+            # (a worker busy with long runs still holds its sandboxes).
+            _context["heartbeat"] = asyncio.create_task(_host_heartbeats(pool),
+                                                        name="yuxi-host-heartbeat")
     return _context["executor"]  # type: ignore[return-value]
+
+
+async def _host_heartbeats(pool) -> None:
+    while True:
+        try:
+            await runs.host_heartbeat(pool, settings.host_id)
+        except Exception:  # a transient database error: the next beat retries
+            log.exception("host heartbeat failed")
+        await asyncio.sleep(settings.host_timeout_seconds / 6)
+
+
+# Every worker process of a host runs this (its own periodic id and queue):
+# the first one starts the process's heartbeat loop.
+@app.periodic(cron="* * * * * */2", periodic_id=settings.host_id, queue=HOST_QUEUE,
+              queueing_lock=f"host_heartbeat@{settings.host_id}")
+@app.task(name="host_heartbeat", queue=HOST_QUEUE, pass_context=True)
+async def host_heartbeat(context: JobContext, timestamp: int) -> None:
+    executor = await _executor()
+    await runs.host_heartbeat(executor.pool, settings.host_id)
 
 
 @app.task(name="execute_run", queue="runs")
@@ -70,14 +93,17 @@ async def cleanup_turn(turn_id: str) -> bool:
                                               uuid.UUID(turn_id))
 
 
-# Every YUXI_SANDBOX_SWEEP_SECONDS (30 by default) seconds of each minute.
-@app.periodic(cron=f"* * * * * */{settings.sandbox_sweep_seconds}")
-@app.task(name="release_idle_sandboxes", queue="maintenance", pass_context=True,
-          queueing_lock="release_idle_sandboxes")
+# Every YUXI_SANDBOX_SWEEP_SECONDS (30 by default) seconds of each minute, on
+# each host (its sandboxes' files and processes are on its own disk).
+@app.periodic(cron=f"* * * * * */{settings.sandbox_sweep_seconds}",
+              periodic_id=settings.host_id, queue=HOST_QUEUE,
+              queueing_lock=f"release_idle_sandboxes@{settings.host_id}")
+@app.task(name="release_idle_sandboxes", queue=HOST_QUEUE, pass_context=True)
 async def release_idle_sandboxes(context: JobContext, timestamp: int) -> int:
-    """Release tree sandboxes idle for 5 minutes (their workdirs stay)."""
+    """Release this host's tree sandboxes idle for 5 minutes (workdirs stay)."""
     executor = await _executor()
-    return len(await sandbox.release_idle(executor.pool, settings.data_dir))
+    return len(await sandbox.release_idle(executor.pool, settings.data_dir,
+                                          host=settings.host_id))
 
 
 @app.periodic(cron="* * * * * */2")
@@ -87,14 +113,17 @@ async def recover_runs(context: JobContext, timestamp: int) -> dict[str, int]:
     executor = await _executor()
     recovered = await runs.recover_expired(executor.pool, settings.max_run_attempts)
     stalled = await app.job_manager.get_stalled_jobs(
-        queue="runs", seconds_since_heartbeat=10.0)
+        task_name="execute_run", seconds_since_heartbeat=10.0)
     for job in stalled:
         # execute_run is idempotent: a retried job whose run moved on is a no-op.
         await app.job_manager.retry_job(job)
     redelivered = await runs.redeliver_ready(executor.pool, dt.timedelta(seconds=30))
     waits = await runs.redeliver_waits(executor.pool, dt.timedelta(seconds=5))
     cleanups = await runs.redeliver_cleanups(executor.pool, dt.timedelta(seconds=10))
-    return {"recovered": len(recovered), "stalled": len(list(stalled)),
+    # After the retries: a retried job of a dead host moves to the shared queue.
+    hosts = await runs.release_dead_hosts(
+        executor.pool, dt.timedelta(seconds=settings.host_timeout_seconds))
+    return {"recovered": len(recovered), "stalled": len(list(stalled)), "dead_host_sandboxes": hosts,
             "redelivered": len(redelivered), "waits": waits, "cleanups": cleanups}
 
 

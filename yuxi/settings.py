@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import socket
 
 import msgspec
 
@@ -58,6 +60,13 @@ class Settings(msgspec.Struct, frozen=True):
     # the sweep's period: the idle time that releases a sandbox is fixed
     # (5 minutes, yuxi.services.sandbox.IDLE).
     sandbox_sweep_seconds: int = 30
+    # This worker's host (docs/scale-out.md): a tree whose sandbox is live
+    # on a host runs there (queue runs@<host_id>). Default: the hostname.
+    host_id: str = "localhost"
+    # A host silent this long is dead: its sandboxes are released.
+    host_timeout_seconds: float = 30.0
+    # The worker's Prometheus /metrics port (0: none).
+    worker_metrics_port: int = 0
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -90,6 +99,11 @@ class Settings(msgspec.Struct, frozen=True):
                 sandbox_sweep_seconds=_between(
                     "YUXI_SANDBOX_SWEEP_SECONDS", int(env.get("YUXI_SANDBOX_SWEEP_SECONDS", "30")),
                     1, 30),
+                host_id=_host_id(env.get("YUXI_HOST_ID") or socket.gethostname()),
+                host_timeout_seconds=float(env.get("YUXI_HOST_TIMEOUT_SECONDS", "30")),
+                worker_metrics_port=_between(
+                    "YUXI_WORKER_METRICS_PORT", int(env.get("YUXI_WORKER_METRICS_PORT", "0")),
+                    0, 65535),
             )
         except ValueError as exc:
             raise SystemExit(f"yuxi: invalid setting: {exc}") from None
@@ -106,4 +120,15 @@ def _positive(env, name: str, default: int) -> int:
     value = int(env.get(name, default))
     if value <= 0:
         raise ValueError(f"{name}={value}: expected a positive number")
+    return value
+
+
+_HOST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+def _host_id(value: str) -> str:
+    """A host id names a Procrastinate queue (runs@<host id>)."""
+    if not _HOST_ID.fullmatch(value):
+        raise ValueError(f"YUXI_HOST_ID={value!r}: expected 1-100 of A-Z a-z 0-9 . _ -, "
+                         "starting with a letter or digit")
     return value

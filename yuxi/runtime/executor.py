@@ -22,7 +22,7 @@ from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 from langgraph.types import Command
 from psycopg_pool import AsyncConnectionPool
 
-from yuxi.errors import LeaseLost, YuxiError
+from yuxi.errors import LeaseLost, SandboxElsewhere, YuxiError
 from yuxi.runtime.graph import build_graph
 from yuxi.runtime.models import build_chat_model
 from yuxi.runtime.saver import checkpoint_connection
@@ -270,7 +270,7 @@ class RunExecutor:
         # marks it for the checkpointer (start_run_v1, complete_run_v1).
         async with checkpoint_connection(self.checkpoint_pool) as conn:
             run = await runs.start_run(conn, run_id, token, self.settings.lease_seconds,
-                                       mark=True)
+                                       mark=True, host=self.settings.host_id)
             if run is None:
                 return "skipped"
             for left in range(self.max_continued_turns, -1, -1):
@@ -304,6 +304,13 @@ class RunExecutor:
             except TurnCancelled:
                 await runs.cancel_run(self.pool, run_id, token)
                 return "cancelled", None
+            except SandboxElsewhere:
+                # Claimed before any model call: hand the run to the host
+                # whose disk holds the tree's sandbox.
+                queue = await runs.yield_run(self.pool, run_id, token)
+                log.info("run %s: its tree's sandbox is live elsewhere; moved to %s",
+                         run_id, queue)
+                return "moved", None
             except Exception as exc:
                 if isinstance(exc, psycopg.Error) and exc.sqlstate == "YX003":
                     return "lease_lost", None  # a checkpoint write met the fence
@@ -352,7 +359,7 @@ class RunExecutor:
             # The run holds the tree's sandbox while it executes.
             box = msgspec.structs.replace(
                 await sandbox.claim(self.pool, self.settings.data_dir, run["id"], token,
-                                    run["tree_id"]), jail=self.jail)
+                                    run["tree_id"], host=self.settings.host_id), jail=self.jail)
         try:
             # `conn` is marked with this run's lease (by its start or by the
             # completion that handed it over).
