@@ -11,7 +11,8 @@ CREATE TYPE yuxi.leased_run AS (
     attempt integer, config jsonb, resume jsonb,
     input_id uuid, input_content text,
     session_name text, session_path text, session_parent_id uuid,
-    boundary_pending boolean
+    boundary_pending boolean,
+    created_at timestamptz, started_at timestamptz
 );
 
 CREATE FUNCTION yuxi.leased_run_v1(p_run uuid) RETURNS yuxi.leased_run
@@ -24,7 +25,8 @@ BEGIN
            t.cancel_requested_at IS NOT NULL
            OR EXISTS (SELECT 1 FROM yuxi.inputs x WHERE x.turn_id = t.id AND x.id <> t.input_id)
            OR EXISTS (SELECT 1 FROM yuxi.messages m
-                      WHERE m.receiver_session_id = r.session_id AND m.processed_at IS NULL)
+                      WHERE m.receiver_session_id = r.session_id AND m.processed_at IS NULL),
+           r.created_at, r.started_at
       INTO v_out
       FROM yuxi.runs r
       JOIN yuxi.turns t ON t.id = r.turn_id

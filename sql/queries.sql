@@ -366,3 +366,29 @@ SELECT yuxi.release_dead_hosts_v1(%(timeout)s) AS released;
 
 -- name: yield_run
 SELECT yuxi.yield_run_v1(%(run_id)s, %(token)s) AS queue;
+
+-- Metrics (yuxi/metrics.py; docs/operator-guide.md shows each) -----------------
+
+-- name: metrics_queue_depth
+SELECT queue_name AS queue, count(*) AS n FROM procrastinate.procrastinate_jobs
+WHERE status = 'todo' GROUP BY queue_name;
+
+-- name: metrics_pending_runs
+SELECT tree_id, count(*) AS n FROM yuxi.runs WHERE status = 'pending' GROUP BY tree_id;
+
+-- name: metrics_slots
+SELECT (SELECT count(*) FROM yuxi.slot_claims) AS held,
+       (SELECT count(*) FROM yuxi.tree_slots_v WHERE held >= slot_capacity) AS full_trees;
+
+-- name: metrics_stuck_runs
+SELECT (SELECT count(*) FROM yuxi.runs
+         WHERE status = 'running' AND lease_expires_at < clock_timestamp()) AS lease_expired,
+       (SELECT count(*) FROM yuxi.runs r
+         WHERE r.status = 'ready' AND r.created_at < now() - interval '30 seconds'
+           AND NOT EXISTS (SELECT 1 FROM procrastinate.procrastinate_jobs j
+                            WHERE j.task_name = 'execute_run' AND j.status IN ('todo', 'doing')
+                              AND j.args->>'run_id' = r.id::text)) AS ready_without_job;
+
+-- name: metrics_turn_duration
+SELECT status, extract(epoch FROM finished_at - created_at)::float8 AS seconds
+FROM yuxi.turns WHERE id = %(turn_id)s AND finished_at IS NOT NULL;

@@ -18,6 +18,7 @@ from procrastinate import JobContext
 from workers.app import HOST_QUEUE, app, settings
 from yuxi import db
 from yuxi.heap import freeze_startup_heap
+from yuxi.metrics import WorkerMetrics
 from yuxi.runtime import cleanup, confine
 from yuxi.runtime.executor import RunExecutor
 from yuxi.services import runs, sandbox
@@ -26,6 +27,12 @@ log = logging.getLogger(__name__)
 
 _context: dict[str, object] = {}
 _context_lock = asyncio.Lock()
+
+# This process's own figures, on YUXI_WORKER_METRICS_PORT (docs/operator-guide.md).
+metrics: WorkerMetrics | None = None
+if settings.worker_metrics_port:
+    metrics = WorkerMetrics()
+    metrics.serve(settings.worker_metrics_port)
 
 
 async def _executor() -> RunExecutor:
@@ -37,7 +44,8 @@ async def _executor() -> RunExecutor:
                 settings.database_url, max_size=settings.worker_concurrency + 2)
             await pool.open(wait=True)
             await checkpoints.open(wait=True)
-            _context["executor"] = RunExecutor(settings, pool, checkpoints)
+            _context["executor"] = executor = RunExecutor(settings, pool, checkpoints)
+            executor.metrics = metrics
             # The host heartbeat goes on in this process whatever its jobs do
             # (a worker busy with long runs still holds its sandboxes).
             _context["heartbeat"] = asyncio.create_task(_host_heartbeats(pool),
@@ -123,6 +131,10 @@ async def recover_runs(context: JobContext, timestamp: int) -> dict[str, int]:
     # After the retries: a retried job of a dead host moves to the shared queue.
     hosts = await runs.release_dead_hosts(
         executor.pool, dt.timedelta(seconds=settings.host_timeout_seconds))
+    if metrics is not None:
+        metrics.recovered({"lease_expired": len(recovered), "stalled_job": len(list(stalled)),
+                           "ready_redelivered": len(redelivered), "wait": waits,
+                           "cancel_cleanup": cleanups, "dead_host_sandbox": hosts})
     return {"recovered": len(recovered), "stalled": len(list(stalled)), "dead_host_sandboxes": hosts,
             "redelivered": len(redelivered), "waits": waits, "cleanups": cleanups}
 

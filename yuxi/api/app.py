@@ -19,6 +19,7 @@ from yuxi.heap import freeze_startup_heap
 from yuxi.api import errors, events, health, routes
 from yuxi.api.auth import KeyCache, provide_scope
 from yuxi.api.hub import EventHub
+from yuxi.metrics import ApiMetrics
 from yuxi.settings import Settings
 
 WEB_DIR = Path(__file__).resolve().parents[2] / "web"
@@ -36,7 +37,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
         await checkpoint_pool.open()
         await hub.start()
         app.state.update(settings=settings, pool=pool, checkpoint_pool=checkpoint_pool, hub=hub,
-                         key_cache=KeyCache())
+                         key_cache=KeyCache(), metrics=ApiMetrics())
         freeze_startup_heap()
         try:
             yield
@@ -49,7 +50,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
         route_handlers=[
             routes.AgentController, routes.SessionController, routes.InputController,
             routes.TurnController, events.stream_events, health.healthz, health.readyz,
-            health.status_page,
+            health.status_page, health.metrics,
             create_static_files_router(path="/static", directories=[WEB_DIR / "static"],
                                        include_in_schema=False),
         ],

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from typing import Any
 
@@ -258,6 +259,8 @@ class RunExecutor:
         self.checkpoint_pool = checkpoint_pool
         self.max_continued_turns = max_continued_turns
         self.jail = confine.for_settings(settings)
+        # yuxi.metrics.WorkerMetrics when this worker exposes metrics.
+        self.metrics: Any = None
 
     async def execute(self, run_id: uuid.UUID) -> str:
         """Execute a run, then the session's next queued turns handed to this
@@ -274,13 +277,28 @@ class RunExecutor:
             if run is None:
                 return "skipped"
             for left in range(self.max_continued_turns, -1, -1):
-                outcome, following = await self._execute_leased(run, token, conn, left > 0)
+                outcome, following = await self._measured(run, token, conn, left > 0)
                 if following is None:
                     return outcome
                 log.debug("run %s: %s; going on with run %s", run["id"], outcome,
                           following[0]["id"])
                 run, token = following
         raise AssertionError("unreachable: the last turn is never continued")
+
+    async def _measured(self, run: dict[str, Any], token: uuid.UUID,
+                        conn: psycopg.AsyncConnection, go_on: bool) -> tuple[str, Next | None]:
+        if self.metrics is None:
+            return await self._execute_leased(run, token, conn, go_on)
+        self.metrics.run_started(run)
+        began = time.monotonic()
+        outcome, following = await self._execute_leased(run, token, conn, go_on)
+        self.metrics.run_ended(outcome, time.monotonic() - began)
+        if outcome in ("completed", "failed", "cancelled"):
+            try:
+                await self.metrics.turn_maybe_ended(self.pool, run["turn_id"])
+            except Exception:  # a figure is never worth failing work for
+                log.exception("turn metrics of run %s", run["id"])
+        return outcome, following
 
     async def _execute_leased(self, run: dict[str, Any], token: uuid.UUID,
                               conn: psycopg.AsyncConnection, go_on: bool,
@@ -433,4 +451,8 @@ class RunExecutor:
                             guard=lambda: self._guard(run["turn_id"]))
         cfg = {"configurable": {"thread_id": str(run["session_id"])},
                "recursion_limit": 2 * int(config.get("max_steps", 25)) + 2}
+        if self.metrics is not None:
+            from yuxi.metrics import ModelCallMetrics
+
+            cfg["callbacks"] = [ModelCallMetrics(self.metrics)]
         return graph, cfg
