@@ -24,8 +24,9 @@ setup: system-packages $(STAMP) ## create .venv and install the project (only wh
 # The confined sandbox needs bubblewrap (and slirp4netns for
 # YUXI_SANDBOX_NETWORK=outbound); as root on Debian they are installed here,
 # elsewhere the missing ones are named (the sandbox tools refuse to run
-# without them: docs/sandbox.md).
-SYSTEM_PACKAGES := bwrap:bubblewrap slirp4netns:slirp4netns
+# without them: docs/sandbox.md). pgbouncer: the connection-pooling test
+# (docs/scale-out.md; skipped without it).
+SYSTEM_PACKAGES := bwrap:bubblewrap slirp4netns:slirp4netns pgbouncer:pgbouncer
 system-packages:
 	@missing=""; for pair in $(SYSTEM_PACKAGES); do \
 		command -v $${pair%%:*} >/dev/null || missing="$$missing $${pair#*:}"; done; \

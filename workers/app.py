@@ -22,7 +22,8 @@ logging.getLogger("procrastinate").setLevel(logging.WARNING)
 
 app = procrastinate.App(
     connector=procrastinate.PsycopgConnector(
-        conninfo=db.with_search_path(settings.database_url, db.PROCRASTINATE_SCHEMA),
+        # Direct: its LISTEN connection is built from this pool's conninfo.
+        conninfo=db.with_search_path(settings.session_database_url, db.PROCRASTINATE_SCHEMA),
         min_size=1,
         max_size=4,
     ),

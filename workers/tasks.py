@@ -39,9 +39,10 @@ async def _executor() -> RunExecutor:
     """Pools of this worker process, opened on first use (in the worker's loop)."""
     async with _context_lock:
         if "executor" not in _context:
-            pool = db.app_pool(settings.database_url, max_size=settings.worker_concurrency + 2)
+            pool = db.app_pool(settings.database_url, max_size=settings.worker_concurrency + 2,
+                               prepare=not settings.pooled)
             checkpoints = db.checkpoint_pool(
-                settings.database_url, max_size=settings.worker_concurrency + 2)
+                settings.session_database_url, max_size=settings.worker_concurrency + 2)
             await pool.open(wait=True)
             await checkpoints.open(wait=True)
             _context["executor"] = executor = RunExecutor(settings, pool, checkpoints)

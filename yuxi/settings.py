@@ -21,6 +21,11 @@ class Settings(msgspec.Struct, frozen=True):
     database_url: str = DEFAULT_DATABASE_URL
     # True when YUXI_DATABASE_URL was set: then no embedded server is started.
     database_url_explicit: bool = False
+    # YUXI_DIRECT_DATABASE_URL: the server itself, for the connections that
+    # need a session (LISTEN, the checkpointer's lease-marked connections,
+    # Procrastinate's worker). Set it when YUXI_DATABASE_URL is a transaction
+    # pooler (PgBouncer, docs/scale-out.md); empty: YUXI_DATABASE_URL.
+    direct_database_url: str = ""
     host: str = "127.0.0.1"
     port: int = 8000
     default_model: str = "replay"
@@ -68,6 +73,16 @@ class Settings(msgspec.Struct, frozen=True):
     # The worker's Prometheus /metrics port (0: none).
     worker_metrics_port: int = 0
 
+    @property
+    def session_database_url(self) -> str:
+        """Where connections that need a session go (direct, never pooled)."""
+        return self.direct_database_url or self.database_url
+
+    @property
+    def pooled(self) -> bool:
+        """YUXI_DATABASE_URL is a transaction pooler: no prepared statements."""
+        return bool(self.direct_database_url) and self.direct_database_url != self.database_url
+
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
         env = os.environ if env is None else env
@@ -76,6 +91,7 @@ class Settings(msgspec.Struct, frozen=True):
             return cls(
                 database_url=url or DEFAULT_DATABASE_URL,
                 database_url_explicit=bool(url),
+                direct_database_url=env.get("YUXI_DIRECT_DATABASE_URL", ""),
                 host=env.get("YUXI_HOST", "127.0.0.1"),
                 port=int(env.get("YUXI_PORT", "8000")),
                 default_model=env.get("YUXI_DEFAULT_MODEL", "replay"),

@@ -30,9 +30,9 @@ def create_app(settings: Settings | None = None) -> Litestar:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
-        pool = db.app_pool(settings.database_url)
-        checkpoint_pool = db.checkpoint_pool(settings.database_url, max_size=4)
-        hub = EventHub(settings.database_url)
+        pool = db.app_pool(settings.database_url, prepare=not settings.pooled)
+        checkpoint_pool = db.checkpoint_pool(settings.session_database_url, max_size=4)
+        hub = EventHub(settings.session_database_url)
         await pool.open()
         await checkpoint_pool.open()
         await hub.start()
