@@ -24,13 +24,17 @@ pytestmark = pytest.mark.e2e
 
 YUXI = str(Path(sys.executable).with_name("yuxi"))
 
-SCRIPT = {"model": "replay", "tools": ["echo", "ask_user"], "replay": {"rules": [
+SCRIPT = {"model": "replay", "tools": ["echo", "ask_user", "cooperation"],
+          "approval_mode": "confirm", "replay": {"rules": [
+    {"match": "^spawn", "steps": [
+        {"call": [{"tool": "create_session", "args": {"name": "helper", "task": "help"}}]},
+        {"say": "spawned {{ last.path }}"}]},
     {"match": "^hello", "steps": [
         {"call": [{"tool": "echo", "args": {"text": "{{ input }}"}}]},
         {"say": "echo said: {{ last.text }}"}]},
     {"match": "^slow", "steps": [{"say": "slow answer to: {{ inputs|join(' + ') }}",
                                   "delay_ms": 2500}]},
-    {"match": "^wait", "steps": [{"say": "never", "delay_ms": 20000}]},
+    {"match": "^wait", "steps": [{"say": "never", "delay_ms": 4000}]},
     {"match": "^ask", "steps": [
         {"call": [{"tool": "ask_user", "args": {"questions": [
             {"id": "color", "question": "Pick a color", "options": ["red", "blue"]}]}}]},
@@ -109,6 +113,13 @@ async def test_chat_streams_steers_queues_asks_and_cancels(worker, api, alice, p
     chat.expect("answered")
     chat.expect("you chose blue")
 
+    # An approval asked inline.
+    chat.sendline("spawn one")
+    chat.expect(r"\? approve create_session\(.*\)\? \[y/n\]")
+    chat.sendline("y")
+    chat.expect("answered")
+    chat.expect("spawned /root/helper")
+
     # Ctrl-C cancels the running turn.
     chat.sendline("wait for it")
     chat.expect("turn started")
@@ -132,12 +143,12 @@ async def test_chat_streams_steers_queues_asks_and_cancels(worker, api, alice, p
 
     async with client(api, key) as http:
         last = ok(await http.get(f"/api/sessions/{sid}/turns"))[-1]
-        await wait_turn_done(http, last["id"])
+        await wait_turn_done(http, last["id"], timeout=30)
     turns = pg.rows("SELECT t.status, i.content FROM yuxi.turns t JOIN yuxi.inputs i "
                     "ON i.id = t.input_id WHERE t.session_id = %s ORDER BY t.created_at", (sid,))
     assert [(t["content"], t["status"]) for t in turns] == [
         ("hello there", "completed"), ("slow one", "completed"), ("slow two", "completed"),
-        ("hello queued", "completed"), ("ask me", "completed"),
+        ("hello queued", "completed"), ("ask me", "completed"), ("spawn one", "completed"),
         ("wait for it", "cancelled"), ("wait again", "cancelled")]
     # The steer joined "slow one"'s turn instead of starting one.
     steer = pg.one("SELECT i.turn_id, i.mode FROM yuxi.inputs i WHERE i.session_id = %s "
