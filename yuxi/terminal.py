@@ -394,6 +394,11 @@ class Chat:
             self.spawn(self.answer(event.turn_id, event.data.get("pending") or {}))
 
     async def answer(self, turn_id: uuid.UUID, pending: dict[str, Any]) -> None:
+        # A replayed (old) event: ask only what the turn still waits for.
+        turn = await self.api.get_turn(turn_id)
+        if turn.status != "waiting_user":
+            return
+        pending = turn.pending or pending
         if pending.get("kind") == "approval":
             decisions = []
             for item in pending.get("approvals", []):
