@@ -69,7 +69,7 @@ class Settings(msgspec.Struct, frozen=True):
     # on a host runs there (queue runs@<host_id>). Default: the hostname.
     host_id: str = "localhost"
     # A host silent this long is dead: its sandboxes are released.
-    host_timeout_seconds: float = 30.0
+    host_timeout_seconds: int = 30
     # The worker's Prometheus /metrics port (0: none).
     worker_metrics_port: int = 0
 
@@ -116,7 +116,9 @@ class Settings(msgspec.Struct, frozen=True):
                     "YUXI_SANDBOX_SWEEP_SECONDS", int(env.get("YUXI_SANDBOX_SWEEP_SECONDS", "30")),
                     1, 30),
                 host_id=_host_id(env.get("YUXI_HOST_ID") or socket.gethostname()),
-                host_timeout_seconds=float(env.get("YUXI_HOST_TIMEOUT_SECONDS", "30")),
+                host_timeout_seconds=_between(
+                    "YUXI_HOST_TIMEOUT_SECONDS", int(env.get("YUXI_HOST_TIMEOUT_SECONDS", "30")),
+                    1, 3600),
                 worker_metrics_port=_between(
                     "YUXI_WORKER_METRICS_PORT", int(env.get("YUXI_WORKER_METRICS_PORT", "0")),
                     0, 65535),
