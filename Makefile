@@ -32,11 +32,13 @@ web/dist/app.js: $(WEB_STAMP) web/build.mjs $(wildcard web/src/*.js)
 setup: system-packages $(STAMP) web/dist/app.js ## create .venv, install the project and build the web UI (only when needed)
 
 # The confined sandbox needs bubblewrap (and slirp4netns for
-# YUXI_SANDBOX_NETWORK=outbound), the browser tests Debian's chromium and the
-# web UI node/npm; as root on Debian they are installed here, elsewhere the
-# missing ones are named (the sandbox tools refuse to run without them:
+# YUXI_SANDBOX_NETWORK=outbound), the browser tests Debian's chromium, the
+# web UI node/npm, and the connection-pooling test pgbouncer
+# (docs/scale-out.md); as root on Debian they are installed here, elsewhere
+# the missing ones are named (the sandbox tools refuse to run without them:
 # docs/sandbox.md).
-SYSTEM_PACKAGES := bwrap:bubblewrap slirp4netns:slirp4netns chromium:chromium npm:npm
+SYSTEM_PACKAGES := bwrap:bubblewrap slirp4netns:slirp4netns chromium:chromium npm:npm \
+	pgbouncer:pgbouncer
 system-packages:
 	@missing=""; for pair in $(SYSTEM_PACKAGES); do \
 		command -v $${pair%%:*} >/dev/null || missing="$$missing $${pair#*:}"; done; \

@@ -209,6 +209,8 @@ CREATE TABLE yuxi.runs (
     created_at timestamptz NOT NULL DEFAULT now(),
     started_at timestamptz,
     finished_at timestamptz,
+    -- The worker host (YUXI_HOST_ID) that took the lease last.
+    host_id text,
     CONSTRAINT runs_turn_fk FOREIGN KEY (turn_id, session_id, tree_id, user_id, app_id)
         REFERENCES yuxi.turns (id, session_id, tree_id, user_id, app_id),
     -- Leading with turn_id, it also serves "a turn's runs".

@@ -3,6 +3,7 @@
 --   YX001 illegal transition   YX002 not found   YX003 lease lost
 --   YX004 idempotency conflict   YX005 waiting for the user
 --   YX006 permission denied   YX007 invalid request (names, self-targets)
+--   YX008 the tree's sandbox is live on another worker host
 
 -- A 64-bit advisory lock key for a named thing ("session:<id>", ...).
 CREATE FUNCTION yuxi.lock_key_v1(p_name text) RETURNS bigint

@@ -4,6 +4,8 @@
 
 -- Defer the Procrastinate job that executes a run, in the caller's
 -- transaction, so the ready run and its job commit together or not at all.
+-- Its queue: the host queue `runs@<host>` of the host holding the tree's live
+-- sandbox (sandbox affinity, sql/120_hosts.sql), else the shared `runs`.
 -- (plpgsql, like every function on the hot path: it keeps its plans for the
 -- connection's life, where a LANGUAGE sql function that cannot be inlined is
 -- parsed and planned again at every call.)
@@ -13,7 +15,8 @@ CREATE FUNCTION yuxi.defer_run_job_v1(p_run uuid) RETURNS bigint
 AS $$
 BEGIN
     RETURN (procrastinate_defer_jobs_v1(ARRAY[ROW(
-        'runs', 'execute_run', 0, NULL, NULL,
+        yuxi.run_queue_v1((SELECT tree_id FROM yuxi.runs WHERE id = p_run)), 'execute_run',
+        0, NULL, NULL,
         jsonb_build_object('run_id', p_run), NULL
     )::procrastinate_job_to_defer_v1]))[1];
 END;

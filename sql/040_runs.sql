@@ -11,7 +11,8 @@ CREATE TYPE yuxi.leased_run AS (
     attempt integer, config jsonb, resume jsonb,
     input_id uuid, input_content text,
     session_name text, session_path text, session_parent_id uuid,
-    boundary_pending boolean
+    boundary_pending boolean,
+    created_at timestamptz, started_at timestamptz
 );
 
 CREATE FUNCTION yuxi.leased_run_v1(p_run uuid) RETURNS yuxi.leased_run
@@ -24,7 +25,8 @@ BEGIN
            t.cancel_requested_at IS NOT NULL
            OR EXISTS (SELECT 1 FROM yuxi.inputs x WHERE x.turn_id = t.id AND x.id <> t.input_id)
            OR EXISTS (SELECT 1 FROM yuxi.messages m
-                      WHERE m.receiver_session_id = r.session_id AND m.processed_at IS NULL)
+                      WHERE m.receiver_session_id = r.session_id AND m.processed_at IS NULL),
+           r.created_at, r.started_at
       INTO v_out
       FROM yuxi.runs r
       JOIN yuxi.turns t ON t.id = r.turn_id
@@ -41,7 +43,7 @@ $$;
 -- checkpointer writes on; it is marked with the lease in this transaction
 -- (sql/110_checkpoint_fence.sql), which saves the worker a round trip.
 CREATE FUNCTION yuxi.start_run_v1(p_run uuid, p_token uuid, p_lease_seconds double precision,
-                                  p_mark boolean DEFAULT false)
+                                  p_mark boolean DEFAULT false, p_host text DEFAULT NULL)
 RETURNS yuxi.leased_run
     LANGUAGE plpgsql AS $$
 DECLARE
@@ -53,7 +55,7 @@ BEGIN
     END IF;
     PERFORM yuxi.lock_tree_v1(v_run.tree_id);
     UPDATE yuxi.runs
-       SET status = 'running', lease_token = p_token, started_at = now(),
+       SET status = 'running', lease_token = p_token, started_at = now(), host_id = p_host,
            lease_expires_at = clock_timestamp() + make_interval(secs => p_lease_seconds)
      WHERE id = p_run AND status = 'ready'
     RETURNING * INTO v_run;
@@ -61,7 +63,8 @@ BEGIN
         RETURN NULL;
     END IF;
     PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
-                               'run.started', jsonb_build_object('attempt', v_run.attempt));
+                               'run.started', jsonb_strip_nulls(jsonb_build_object(
+                                   'attempt', v_run.attempt, 'host', p_host)));
     IF p_mark THEN
         PERFORM yuxi.mark_checkpoint_connection_v1(p_run::text, p_token::text);
     END IF;
@@ -253,6 +256,8 @@ BEGIN
                                'run.completed', '{}');
     v_next := yuxi.finish_turn_v1(p_run, 'completed', NULL, p_next_token, p_lease_seconds);
     IF v_next IS NOT NULL THEN
+        -- Leased to the same worker: the same host.
+        UPDATE yuxi.runs SET host_id = v_run.host_id WHERE id = v_next;
         IF p_mark THEN
             PERFORM yuxi.mark_checkpoint_connection_v1(v_next::text, p_next_token::text);
         END IF;

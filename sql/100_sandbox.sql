@@ -13,6 +13,9 @@ CREATE TABLE yuxi.sandboxes (
     last_activity_at timestamptz NOT NULL,
     created_at timestamptz NOT NULL DEFAULT now(),
     released_at timestamptz,
+    -- The worker host whose disk holds this generation (its temp area and
+    -- processes): the tree's runs go to that host's queue while it is active.
+    host_id text,
     CONSTRAINT sandboxes_status_known CHECK (status IN ('active', 'released')),
     CONSTRAINT sandboxes_released_iff_released_at CHECK ((status = 'released') = (released_at IS NOT NULL)),
     CONSTRAINT sandboxes_generation_positive CHECK (generation >= 1)
@@ -32,8 +35,11 @@ CREATE TABLE yuxi.sandbox_processes (
 CREATE INDEX sandbox_processes_run_idx ON yuxi.sandbox_processes (run_id);
 
 -- Claim the tree's sandbox for an executing run (fenced by its lease):
--- provision it, or a fresh generation after a release. Returns the generation.
-CREATE FUNCTION yuxi.claim_sandbox_v1(p_run uuid, p_token uuid, p_now timestamptz)
+-- provision it on p_host, or a fresh generation after a release. Returns the
+-- generation. A sandbox active on another host is that host's: YX008 (the
+-- caller hands the run to it, yuxi.yield_run_v1).
+CREATE FUNCTION yuxi.claim_sandbox_v1(p_run uuid, p_token uuid, p_now timestamptz,
+                                      p_host text DEFAULT NULL)
 RETURNS integer
     LANGUAGE plpgsql AS $$
 DECLARE
@@ -47,15 +53,20 @@ BEGIN
     PERFORM pg_advisory_xact_lock(yuxi.lock_key_v1('sandbox:' || v_tree));
     SELECT * INTO v_box FROM yuxi.sandboxes WHERE tree_id = v_tree;
     IF NOT FOUND THEN
-        INSERT INTO yuxi.sandboxes (tree_id, last_activity_at) VALUES (v_tree, p_now);
+        INSERT INTO yuxi.sandboxes (tree_id, last_activity_at, host_id)
+        VALUES (v_tree, p_now, p_host);
         RETURN 1;
     END IF;
     IF v_box.status = 'released' THEN
         UPDATE yuxi.sandboxes
            SET generation = v_box.generation + 1, status = 'active', released_at = NULL,
-               last_activity_at = p_now
+               last_activity_at = p_now, host_id = p_host
          WHERE tree_id = v_tree;
         RETURN v_box.generation + 1;
+    END IF;
+    IF v_box.host_id IS DISTINCT FROM p_host THEN
+        RAISE EXCEPTION 'the sandbox of tree % is live on host %', v_tree, v_box.host_id
+            USING ERRCODE = 'YX008';
     END IF;
     UPDATE yuxi.sandboxes SET last_activity_at = greatest(last_activity_at, p_now)
      WHERE tree_id = v_tree;

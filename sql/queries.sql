@@ -148,7 +148,7 @@ LIMIT %(limit)s;
 -- Runs (worker side) -------------------------------------------------------
 
 -- name: start_run
-SELECT * FROM yuxi.start_run_v1(%(run_id)s, %(token)s, %(lease_seconds)s, %(mark)s)
+SELECT * FROM yuxi.start_run_v1(%(run_id)s, %(token)s, %(lease_seconds)s, %(mark)s, %(host)s)
 WHERE id IS NOT NULL;
 
 -- name: heartbeat_run
@@ -311,6 +311,9 @@ LIMIT %(limit)s;
 -- name: tree_slots
 SELECT slot_capacity - held AS free, held, waiting FROM yuxi.tree_slots_v WHERE tree_id = %(tree_id)s;
 
+-- name: tree_slot_use
+SELECT slot_capacity AS capacity, held, waiting FROM yuxi.tree_slots_v WHERE tree_id = %(tree_id)s;
+
 -- name: mark_messages_processed
 SELECT yuxi.mark_messages_processed_v1(%(run_id)s, %(token)s, %(message_ids)s) AS marked;
 
@@ -330,7 +333,7 @@ SELECT yuxi.answer_turn_v1(%(user_id)s, %(app_id)s, %(turn_id)s, %(wait_id)s, %(
 -- Sandbox -------------------------------------------------------------------
 
 -- name: claim_sandbox
-SELECT yuxi.claim_sandbox_v1(%(run_id)s, %(token)s, %(now)s) AS generation;
+SELECT yuxi.claim_sandbox_v1(%(run_id)s, %(token)s, %(now)s, %(host)s) AS generation;
 
 -- name: touch_sandbox
 SELECT yuxi.touch_sandbox_v1(%(tree_id)s, %(now)s);
@@ -338,6 +341,7 @@ SELECT yuxi.touch_sandbox_v1(%(tree_id)s, %(now)s);
 -- name: idle_sandboxes
 SELECT tree_id FROM yuxi.sandboxes
 WHERE status = 'active' AND last_activity_at < %(before)s
+  AND host_id IS NOT DISTINCT FROM %(host)s
 ORDER BY last_activity_at LIMIT 100;
 
 -- name: begin_sandbox_release
@@ -378,3 +382,40 @@ ORDER BY id;
 
 -- name: prune_tree_events
 SELECT yuxi.prune_tree_events_v1(%(tree_id)s, %(before)s) AS deleted;
+
+-- Worker hosts ----------------------------------------------------------------
+
+-- name: host_heartbeat
+SELECT yuxi.host_heartbeat_v1(%(host)s);
+
+-- name: release_dead_hosts
+SELECT yuxi.release_dead_hosts_v1(%(timeout)s) AS released;
+
+-- name: yield_run
+SELECT yuxi.yield_run_v1(%(run_id)s, %(token)s) AS queue;
+
+-- Metrics (yuxi/metrics.py; docs/operator-guide.md shows each) -----------------
+
+-- name: metrics_queue_depth
+SELECT queue_name AS queue, count(*) AS n FROM procrastinate.procrastinate_jobs
+WHERE status = 'todo' GROUP BY queue_name;
+
+-- name: metrics_pending_runs
+SELECT tree_id, count(*) AS n FROM yuxi.runs WHERE status = 'pending' GROUP BY tree_id;
+
+-- name: metrics_slots
+SELECT (SELECT count(*) FROM yuxi.slot_claims) AS held,
+       (SELECT count(*) FROM yuxi.tree_slots_v WHERE held >= slot_capacity) AS full_trees;
+
+-- name: metrics_stuck_runs
+SELECT (SELECT count(*) FROM yuxi.runs
+         WHERE status = 'running' AND lease_expires_at < clock_timestamp()) AS lease_expired,
+       (SELECT count(*) FROM yuxi.runs r
+         WHERE r.status = 'ready' AND r.created_at < now() - interval '30 seconds'
+           AND NOT EXISTS (SELECT 1 FROM procrastinate.procrastinate_jobs j
+                            WHERE j.task_name = 'execute_run' AND j.status IN ('todo', 'doing')
+                              AND j.args->>'run_id' = r.id::text)) AS ready_without_job;
+
+-- name: metrics_turn_duration
+SELECT status, extract(epoch FROM finished_at - created_at)::float8 AS seconds
+FROM yuxi.turns WHERE id = %(turn_id)s AND finished_at IS NOT NULL;

@@ -12,19 +12,24 @@ from yuxi.settings import Settings
 
 settings = Settings.from_env()
 
+# This host's own queue: runs of trees whose sandbox lives on this host's
+# disk, and the host's own periodic jobs (sql/120_hosts.sql).
+HOST_QUEUE = f"runs@{settings.host_id}"
+
 # Two INFO lines per job cost measurable CPU at hundreds of runs per second;
 # our own log lines say what a run did.
 logging.getLogger("procrastinate").setLevel(logging.WARNING)
 
 app = procrastinate.App(
     connector=procrastinate.PsycopgConnector(
-        conninfo=db.with_search_path(settings.database_url, db.PROCRASTINATE_SCHEMA),
+        # Direct: its LISTEN connection is built from this pool's conninfo.
+        conninfo=db.with_search_path(settings.session_database_url, db.PROCRASTINATE_SCHEMA),
         min_size=1,
         max_size=4,
     ),
     import_paths=["workers.tasks"],
     worker_defaults={
-        "queues": ["runs", "maintenance"],
+        "queues": ["runs", "maintenance", HOST_QUEUE],
         "concurrency": settings.worker_concurrency,
         # NOTIFY wakes idle workers at once; polling is only the fallback for
         # scheduled jobs (the recovery sweep) and missed notifications.

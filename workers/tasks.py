@@ -15,9 +15,10 @@ import uuid
 
 from procrastinate import JobContext
 
-from workers.app import app, settings
+from workers.app import HOST_QUEUE, app, settings
 from yuxi import db
 from yuxi.heap import freeze_startup_heap
+from yuxi.metrics import WorkerMetrics
 from yuxi.runtime import cleanup, confine
 from yuxi.runtime.executor import RunExecutor
 from yuxi.services import runs, sandbox
@@ -27,18 +28,49 @@ log = logging.getLogger(__name__)
 _context: dict[str, object] = {}
 _context_lock = asyncio.Lock()
 
+# This process's own figures, on YUXI_WORKER_METRICS_PORT (docs/operator-guide.md).
+metrics: WorkerMetrics | None = None
+if settings.worker_metrics_port:
+    metrics = WorkerMetrics()
+    metrics.serve(settings.worker_metrics_port)
+
 
 async def _executor() -> RunExecutor:
     """Pools of this worker process, opened on first use (in the worker's loop)."""
     async with _context_lock:
         if "executor" not in _context:
-            pool = db.app_pool(settings.database_url, max_size=settings.worker_concurrency + 2)
+            pool = db.app_pool(settings.database_url, max_size=settings.worker_concurrency + 2,
+                               prepare=not settings.pooled)
             checkpoints = db.checkpoint_pool(
-                settings.database_url, max_size=settings.worker_concurrency + 2)
+                settings.session_database_url, max_size=settings.worker_concurrency + 2)
             await pool.open(wait=True)
             await checkpoints.open(wait=True)
-            _context["executor"] = RunExecutor(settings, pool, checkpoints)
+            _context["executor"] = executor = RunExecutor(settings, pool, checkpoints)
+            executor.metrics = metrics
+            # The host heartbeat goes on in this process whatever its jobs do
+            # (a worker busy with long runs still holds its sandboxes).
+            _context["heartbeat"] = asyncio.create_task(_host_heartbeats(pool),
+                                                        name="yuxi-host-heartbeat")
     return _context["executor"]  # type: ignore[return-value]
+
+
+async def _host_heartbeats(pool) -> None:
+    while True:
+        try:
+            await runs.host_heartbeat(pool, settings.host_id)
+        except Exception:  # a transient database error: the next beat retries
+            log.exception("host heartbeat failed")
+        await asyncio.sleep(settings.host_timeout_seconds / 6)
+
+
+# Every worker process of a host runs this (its own periodic id and queue):
+# the first one starts the process's heartbeat loop.
+@app.periodic(cron="* * * * * */2", periodic_id=settings.host_id, queue=HOST_QUEUE,
+              queueing_lock=f"host_heartbeat@{settings.host_id}")
+@app.task(name="host_heartbeat", queue=HOST_QUEUE, pass_context=True)
+async def host_heartbeat(context: JobContext, timestamp: int) -> None:
+    executor = await _executor()
+    await runs.host_heartbeat(executor.pool, settings.host_id)
 
 
 @app.task(name="execute_run", queue="runs")
@@ -70,14 +102,17 @@ async def cleanup_turn(turn_id: str) -> bool:
                                               uuid.UUID(turn_id))
 
 
-# Every YUXI_SANDBOX_SWEEP_SECONDS (30 by default) seconds of each minute.
-@app.periodic(cron=f"* * * * * */{settings.sandbox_sweep_seconds}")
-@app.task(name="release_idle_sandboxes", queue="maintenance", pass_context=True,
-          queueing_lock="release_idle_sandboxes")
+# Every YUXI_SANDBOX_SWEEP_SECONDS (30 by default) seconds of each minute, on
+# each host (its sandboxes' files and processes are on its own disk).
+@app.periodic(cron=f"* * * * * */{settings.sandbox_sweep_seconds}",
+              periodic_id=settings.host_id, queue=HOST_QUEUE,
+              queueing_lock=f"release_idle_sandboxes@{settings.host_id}")
+@app.task(name="release_idle_sandboxes", queue=HOST_QUEUE, pass_context=True)
 async def release_idle_sandboxes(context: JobContext, timestamp: int) -> int:
-    """Release tree sandboxes idle for 5 minutes (their workdirs stay)."""
+    """Release this host's tree sandboxes idle for 5 minutes (workdirs stay)."""
     executor = await _executor()
-    return len(await sandbox.release_idle(executor.pool, settings.data_dir))
+    return len(await sandbox.release_idle(executor.pool, settings.data_dir,
+                                          host=settings.host_id))
 
 
 @app.periodic(cron="* * * * * */2")
@@ -87,14 +122,21 @@ async def recover_runs(context: JobContext, timestamp: int) -> dict[str, int]:
     executor = await _executor()
     recovered = await runs.recover_expired(executor.pool, settings.max_run_attempts)
     stalled = await app.job_manager.get_stalled_jobs(
-        queue="runs", seconds_since_heartbeat=10.0)
+        task_name="execute_run", seconds_since_heartbeat=10.0)
     for job in stalled:
         # execute_run is idempotent: a retried job whose run moved on is a no-op.
         await app.job_manager.retry_job(job)
     redelivered = await runs.redeliver_ready(executor.pool, dt.timedelta(seconds=30))
     waits = await runs.redeliver_waits(executor.pool, dt.timedelta(seconds=5))
     cleanups = await runs.redeliver_cleanups(executor.pool, dt.timedelta(seconds=10))
-    return {"recovered": len(recovered), "stalled": len(list(stalled)),
+    # After the retries: a retried job of a dead host moves to the shared queue.
+    hosts = await runs.release_dead_hosts(
+        executor.pool, dt.timedelta(seconds=settings.host_timeout_seconds))
+    if metrics is not None:
+        metrics.recovered({"lease_expired": len(recovered), "stalled_job": len(list(stalled)),
+                           "ready_redelivered": len(redelivered), "wait": waits,
+                           "cancel_cleanup": cleanups, "dead_host_sandbox": hosts})
+    return {"recovered": len(recovered), "stalled": len(list(stalled)), "dead_host_sandboxes": hosts,
             "redelivered": len(redelivered), "waits": waits, "cleanups": cleanups}
 
 

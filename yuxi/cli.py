@@ -464,6 +464,10 @@ def build_parser() -> argparse.ArgumentParser:
     dev.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR),
                      help="embedded PostgreSQL data directory (default: %(default)s)")
     dev.set_defaults(func=cmd_dev)
+
+    from yuxi import terminal  # chat, tail, tree: clients of the HTTP API
+
+    terminal.add_commands(commands)
     return parser
 
 

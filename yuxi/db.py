@@ -49,14 +49,20 @@ def with_database(url: str, dbname: str) -> str:
     return make_conninfo(url, dbname=dbname)
 
 
-def app_pool(url: str, *, min_size: int = 1, max_size: int = 10) -> AsyncConnectionPool:
+def app_pool(url: str, *, min_size: int = 1, max_size: int = 10,
+             prepare: bool = True) -> AsyncConnectionPool:
     """Pool for yuxi queries: autocommit (a SQL function call is its own
-    transaction; multi-statement work uses `transaction()`), dict rows."""
+    transaction; multi-statement work uses `transaction()`), dict rows.
+    `prepare=False` behind a transaction pooler (PgBouncer): no server-side
+    prepared statements, which would not follow the next transaction."""
+    kwargs: dict[str, Any] = {"autocommit": True, "row_factory": dict_row}
+    if not prepare:
+        kwargs["prepare_threshold"] = None
     return AsyncConnectionPool(
         url,
         min_size=min_size,
         max_size=max_size,
-        kwargs={"autocommit": True, "row_factory": dict_row},
+        kwargs=kwargs,
         open=False,
         name="yuxi",
     )

@@ -62,6 +62,12 @@ class InvalidRequest(YuxiError):
         self.errors = errors or []
 
 
+class SandboxElsewhere(YuxiError):
+    """The tree's sandbox is live on another worker host: its runs belong there."""
+
+    code = "sandbox_elsewhere"
+
+
 class SchemaVersionMismatch(YuxiError):
     """The database was created by another schema version."""
 
@@ -82,6 +88,7 @@ _BY_SQLSTATE: dict[str, type[YuxiError]] = {
     "YX005": WaitingForUser,
     "YX006": PermissionDenied,
     "YX007": InvalidRequest,
+    "YX008": SandboxElsewhere,
 }
 
 

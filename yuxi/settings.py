@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import socket
 
 import msgspec
 
@@ -19,6 +21,11 @@ class Settings(msgspec.Struct, frozen=True):
     database_url: str = DEFAULT_DATABASE_URL
     # True when YUXI_DATABASE_URL was set: then no embedded server is started.
     database_url_explicit: bool = False
+    # YUXI_DIRECT_DATABASE_URL: the server itself, for the connections that
+    # need a session (LISTEN, the checkpointer's lease-marked connections,
+    # Procrastinate's worker). Set it when YUXI_DATABASE_URL is a transaction
+    # pooler (PgBouncer, docs/scale-out.md); empty: YUXI_DATABASE_URL.
+    direct_database_url: str = ""
     host: str = "127.0.0.1"
     port: int = 8000
     default_model: str = "replay"
@@ -58,6 +65,23 @@ class Settings(msgspec.Struct, frozen=True):
     # the sweep's period: the idle time that releases a sandbox is fixed
     # (5 minutes, yuxi.services.sandbox.IDLE).
     sandbox_sweep_seconds: int = 30
+    # This worker's host (docs/scale-out.md): a tree whose sandbox is live
+    # on a host runs there (queue runs@<host_id>). Default: the hostname.
+    host_id: str = "localhost"
+    # A host silent this long is dead: its sandboxes are released.
+    host_timeout_seconds: int = 30
+    # The worker's Prometheus /metrics port (0: none).
+    worker_metrics_port: int = 0
+
+    @property
+    def session_database_url(self) -> str:
+        """Where connections that need a session go (direct, never pooled)."""
+        return self.direct_database_url or self.database_url
+
+    @property
+    def pooled(self) -> bool:
+        """YUXI_DATABASE_URL is a transaction pooler: no prepared statements."""
+        return bool(self.direct_database_url) and self.direct_database_url != self.database_url
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -67,6 +91,7 @@ class Settings(msgspec.Struct, frozen=True):
             return cls(
                 database_url=url or DEFAULT_DATABASE_URL,
                 database_url_explicit=bool(url),
+                direct_database_url=env.get("YUXI_DIRECT_DATABASE_URL", ""),
                 host=env.get("YUXI_HOST", "127.0.0.1"),
                 port=int(env.get("YUXI_PORT", "8000")),
                 default_model=env.get("YUXI_DEFAULT_MODEL", "replay"),
@@ -90,6 +115,13 @@ class Settings(msgspec.Struct, frozen=True):
                 sandbox_sweep_seconds=_between(
                     "YUXI_SANDBOX_SWEEP_SECONDS", int(env.get("YUXI_SANDBOX_SWEEP_SECONDS", "30")),
                     1, 30),
+                host_id=_host_id(env.get("YUXI_HOST_ID") or socket.gethostname()),
+                host_timeout_seconds=_between(
+                    "YUXI_HOST_TIMEOUT_SECONDS", int(env.get("YUXI_HOST_TIMEOUT_SECONDS", "30")),
+                    1, 3600),
+                worker_metrics_port=_between(
+                    "YUXI_WORKER_METRICS_PORT", int(env.get("YUXI_WORKER_METRICS_PORT", "0")),
+                    0, 65535),
             )
         except ValueError as exc:
             raise SystemExit(f"yuxi: invalid setting: {exc}") from None
@@ -106,4 +138,15 @@ def _positive(env, name: str, default: int) -> int:
     value = int(env.get(name, default))
     if value <= 0:
         raise ValueError(f"{name}={value}: expected a positive number")
+    return value
+
+
+_HOST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+def _host_id(value: str) -> str:
+    """A host id names a Procrastinate queue (runs@<host id>)."""
+    if not _HOST_ID.fullmatch(value):
+        raise ValueError(f"YUXI_HOST_ID={value!r}: expected 1-100 of A-Z a-z 0-9 . _ -, "
+                         "starting with a letter or digit")
     return value

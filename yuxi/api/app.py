@@ -19,6 +19,7 @@ from yuxi.heap import freeze_startup_heap
 from yuxi.api import errors, events, health, routes, web
 from yuxi.api.auth import KeyCache, provide_scope
 from yuxi.api.hub import EventHub
+from yuxi.metrics import ApiMetrics
 from yuxi.settings import Settings
 
 WEB_DIR = Path(__file__).resolve().parents[2] / "web"
@@ -29,14 +30,14 @@ def create_app(settings: Settings | None = None) -> Litestar:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
-        pool = db.app_pool(settings.database_url)
-        checkpoint_pool = db.checkpoint_pool(settings.database_url, max_size=4)
-        hub = EventHub(settings.database_url)
+        pool = db.app_pool(settings.database_url, prepare=not settings.pooled)
+        checkpoint_pool = db.checkpoint_pool(settings.session_database_url, max_size=4)
+        hub = EventHub(settings.session_database_url)
         await pool.open()
         await checkpoint_pool.open()
         await hub.start()
         app.state.update(settings=settings, pool=pool, checkpoint_pool=checkpoint_pool, hub=hub,
-                         key_cache=KeyCache())
+                         key_cache=KeyCache(), metrics=ApiMetrics())
         freeze_startup_heap()
         try:
             yield
@@ -49,7 +50,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
         route_handlers=[
             routes.AgentController, routes.SessionController, routes.InputController,
             routes.TurnController, events.stream_events, health.healthz, health.readyz,
-            health.status_page, routes.list_models,
+            health.status_page, health.metrics, routes.list_models,
             web.index_page, web.session_page, web.sign_in, web.who_am_i, web.sign_out,
             create_static_files_router(path="/static", directories=[WEB_DIR / "static"],
                                        include_in_schema=False),

@@ -8,6 +8,7 @@ from litestar import Request, get
 from litestar.response import Response, Template
 
 from yuxi import __version__, db
+from yuxi.metrics import CONTENT_TYPE_LATEST
 
 WORKER_FRESH_SECONDS = 30
 
@@ -38,6 +39,15 @@ async def readyz(request: Request) -> Response[dict[str, Any]]:
          "listener": request.app.state.hub.connected},
         status_code=200 if ready else 503,
     )
+
+
+@get("/metrics", operation_id="metrics", include_in_schema=False)
+async def metrics(request: Request) -> Response[bytes]:
+    """Prometheus text format: this process's figures and the database's
+    (yuxi.metrics; no key: expose it to your monitoring network only)."""
+    state = request.app.state
+    body = await state.metrics.render(state.pool, state.hub)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
 @get("/status", operation_id="statusPage", include_in_schema=False)

@@ -51,6 +51,10 @@ class EventHub:
                 if not members:
                     del self._subscribers[tree_id]
 
+    def subscriber_count(self) -> int:
+        """Open SSE streams of this process (a metric)."""
+        return sum(len(members) for members in self._subscribers.values())
+
     def _wake(self, tree_id: str) -> None:
         for wake in self._subscribers.get(tree_id, ()):
             wake.set()

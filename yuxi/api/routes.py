@@ -98,7 +98,9 @@ class SessionController(Controller):
         self, request: Request, caller: Caller, session_id: FromPath[uuid.UUID]
     ) -> dict[str, Any]:
         members = await sessions.get_tree(_pool(request), caller, session_id)
-        return {"tree_id": members[0]["id"] if members else None, "sessions": members}
+        tree_id = members[0]["id"] if members else None
+        slots = await sessions.tree_slot_use(_pool(request), tree_id) if tree_id else None
+        return {"tree_id": tree_id, "sessions": members, "slots": slots}
 
     @get("/{session_id:uuid}/turns", operation_id="listTurns")
     async def list_turns(self, request: Request, caller: Caller, session_id: FromPath[uuid.UUID]) -> list[Turn]:

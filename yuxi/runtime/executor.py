@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from typing import Any
 
@@ -22,7 +23,7 @@ from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 from langgraph.types import Command
 from psycopg_pool import AsyncConnectionPool
 
-from yuxi.errors import LeaseLost, YuxiError
+from yuxi.errors import LeaseLost, SandboxElsewhere, YuxiError
 from yuxi.runtime.graph import build_graph
 from yuxi.runtime.models import build_chat_model
 from yuxi.runtime.saver import checkpoint_connection
@@ -258,6 +259,8 @@ class RunExecutor:
         self.checkpoint_pool = checkpoint_pool
         self.max_continued_turns = max_continued_turns
         self.jail = confine.for_settings(settings)
+        # yuxi.metrics.WorkerMetrics when this worker exposes metrics.
+        self.metrics: Any = None
 
     async def execute(self, run_id: uuid.UUID) -> str:
         """Execute a run, then the session's next queued turns handed to this
@@ -270,17 +273,32 @@ class RunExecutor:
         # marks it for the checkpointer (start_run_v1, complete_run_v1).
         async with checkpoint_connection(self.checkpoint_pool) as conn:
             run = await runs.start_run(conn, run_id, token, self.settings.lease_seconds,
-                                       mark=True)
+                                       mark=True, host=self.settings.host_id)
             if run is None:
                 return "skipped"
             for left in range(self.max_continued_turns, -1, -1):
-                outcome, following = await self._execute_leased(run, token, conn, left > 0)
+                outcome, following = await self._measured(run, token, conn, left > 0)
                 if following is None:
                     return outcome
                 log.debug("run %s: %s; going on with run %s", run["id"], outcome,
                           following[0]["id"])
                 run, token = following
         raise AssertionError("unreachable: the last turn is never continued")
+
+    async def _measured(self, run: dict[str, Any], token: uuid.UUID,
+                        conn: psycopg.AsyncConnection, go_on: bool) -> tuple[str, Next | None]:
+        if self.metrics is None:
+            return await self._execute_leased(run, token, conn, go_on)
+        self.metrics.run_started(run)
+        began = time.monotonic()
+        outcome, following = await self._execute_leased(run, token, conn, go_on)
+        self.metrics.run_ended(outcome, time.monotonic() - began)
+        if outcome in ("completed", "failed", "cancelled"):
+            try:
+                await self.metrics.turn_maybe_ended(self.pool, run["turn_id"])
+            except Exception:  # a figure is never worth failing work for
+                log.exception("turn metrics of run %s", run["id"])
+        return outcome, following
 
     async def _execute_leased(self, run: dict[str, Any], token: uuid.UUID,
                               conn: psycopg.AsyncConnection, go_on: bool,
@@ -304,6 +322,13 @@ class RunExecutor:
             except TurnCancelled:
                 await runs.cancel_run(self.pool, run_id, token)
                 return "cancelled", None
+            except SandboxElsewhere:
+                # Claimed before any model call: hand the run to the host
+                # whose disk holds the tree's sandbox.
+                queue = await runs.yield_run(self.pool, run_id, token)
+                log.info("run %s: its tree's sandbox is live elsewhere; moved to %s",
+                         run_id, queue)
+                return "moved", None
             except Exception as exc:
                 if isinstance(exc, psycopg.Error) and exc.sqlstate == "YX003":
                     return "lease_lost", None  # a checkpoint write met the fence
@@ -352,7 +377,7 @@ class RunExecutor:
             # The run holds the tree's sandbox while it executes.
             box = msgspec.structs.replace(
                 await sandbox.claim(self.pool, self.settings.data_dir, run["id"], token,
-                                    run["tree_id"]), jail=self.jail)
+                                    run["tree_id"], host=self.settings.host_id), jail=self.jail)
         try:
             # `conn` is marked with this run's lease (by its start or by the
             # completion that handed it over).
@@ -426,4 +451,8 @@ class RunExecutor:
                             guard=lambda: self._guard(run["turn_id"]))
         cfg = {"configurable": {"thread_id": str(run["session_id"])},
                "recursion_limit": 2 * int(config.get("max_steps", 25)) + 2}
+        if self.metrics is not None:
+            from yuxi.metrics import ModelCallMetrics
+
+            cfg["callbacks"] = [ModelCallMetrics(self.metrics)]
         return graph, cfg

@@ -16,7 +16,7 @@ from yuxi import db
 
 async def start_run(
     source: AsyncConnectionPool | AsyncConnection, run_id: uuid.UUID, token: uuid.UUID,
-    lease_seconds: float, *, mark: bool = False,
+    lease_seconds: float, *, mark: bool = False, host: str | None = None,
 ) -> dict[str, Any] | None:
     """Take the lease of a ready run; None when the run is not ready (a stale
     or duplicate job). `mark`: `source` is the run's checkpoint connection,
@@ -24,7 +24,8 @@ async def start_run(
     async with db.connection(source) as conn:
         return await db.fetch_one(
             conn, "start_run",
-            {"run_id": run_id, "token": token, "lease_seconds": lease_seconds, "mark": mark},
+            {"run_id": run_id, "token": token, "lease_seconds": lease_seconds, "mark": mark,
+             "host": host},
         )
 
 
@@ -173,3 +174,22 @@ async def redeliver_ready(pool: AsyncConnectionPool, older_than: dt.timedelta) -
     async with pool.connection() as conn:
         rows = await db.fetch_all(conn, "redeliver_ready_runs", {"older_than": older_than})
     return [r["run_id"] for r in rows]
+
+
+async def yield_run(pool: AsyncConnectionPool, run_id: uuid.UUID, token: uuid.UUID) -> str:
+    """Give a leased run back to the host holding its tree's live sandbox
+    (the claim met YX008): ready again, its job on that host's queue."""
+    async with pool.connection() as conn:
+        return (await db.fetch_one(conn, "yield_run", {"run_id": run_id, "token": token}))["queue"]
+
+
+async def host_heartbeat(pool: AsyncConnectionPool, host: str) -> None:
+    async with pool.connection() as conn:
+        await db.execute(conn, "host_heartbeat", {"host": host})
+
+
+async def release_dead_hosts(pool: AsyncConnectionPool, timeout: dt.timedelta) -> int:
+    """Release the sandboxes of hosts whose heartbeat expired and move their
+    queued runs to the shared queue; returns the sandboxes released."""
+    async with pool.connection() as conn:
+        return (await db.fetch_one(conn, "release_dead_hosts", {"timeout": timeout}))["released"]

@@ -52,12 +52,14 @@ def locate(data_dir: str | Path, tree_id: uuid.UUID, generation: int) -> Sandbox
 
 
 async def claim(pool: AsyncConnectionPool, data_dir: str | Path, run_id: uuid.UUID,
-                token: uuid.UUID, tree_id: uuid.UUID, *, now: Clock = utcnow) -> Sandbox:
+                token: uuid.UUID, tree_id: uuid.UUID, *, now: Clock = utcnow,
+                host: str | None = None) -> Sandbox:
     """The sandbox of the run's tree, provisioned (or re-provisioned after a
-    release) for this run."""
+    release) on `host` for this run. SandboxElsewhere when it is live on
+    another host."""
     async with pool.connection() as conn:
         row = await db.fetch_one(conn, "claim_sandbox",
-                                 {"run_id": run_id, "token": token, "now": now()})
+                                 {"run_id": run_id, "token": token, "now": now(), "host": host})
     box = locate(data_dir, tree_id, row["generation"])
     box.workdir.mkdir(parents=True, exist_ok=True)
     box.tmp.mkdir(parents=True, exist_ok=True)
@@ -81,14 +83,16 @@ def release_files_and_processes(box: Sandbox, pids: list[int]) -> None:
 
 
 async def release_idle(pool: AsyncConnectionPool, data_dir: str | Path, *, now: Clock = utcnow,
-                       releaser=release_files_and_processes) -> list[uuid.UUID]:
-    """Release every sandbox idle for IDLE; returns the trees released. Each
-    release happens inside the transaction that holds the tree's sandbox
-    lock, so no claim can see it half done."""
+                       releaser=release_files_and_processes,
+                       host: str | None = None) -> list[uuid.UUID]:
+    """Release every sandbox of `host` idle for IDLE (its files and processes
+    are on this host's disk: another host's are that host's to release);
+    returns the trees released. Each release happens inside the transaction
+    that holds the tree's sandbox lock, so no claim can see it half done."""
     at = now()
     async with pool.connection() as conn:
         idle = [r["tree_id"] for r in await db.fetch_all(conn, "idle_sandboxes",
-                                                          {"before": at - IDLE})]
+                                                          {"before": at - IDLE, "host": host})]
     released = []
     for tree_id in idle:
         async with db.transaction(pool) as conn:

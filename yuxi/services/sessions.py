@@ -194,6 +194,13 @@ async def get_tree(pool: AsyncConnectionPool, scope: Scope, session_id: uuid.UUI
              "created_at": r["created_at"]} for r in rows]
 
 
+async def tree_slot_use(pool: AsyncConnectionPool, tree_id: uuid.UUID) -> dict[str, int]:
+    """Slots of a tree (the caller checked scope): capacity, held, waiting."""
+    async with pool.connection() as conn:
+        row = await db.fetch_one(conn, "tree_slot_use", {"tree_id": tree_id})
+    return {k: int(row[k]) for k in ("capacity", "held", "waiting")}
+
+
 async def get_input(pool: AsyncConnectionPool, scope: Scope, input_id: uuid.UUID) -> Input:
     async with pool.connection() as conn:
         row = await db.fetch_one(conn, "get_input", {**scope.params(), "id": input_id})
