@@ -48,6 +48,12 @@ class Settings(msgspec.Struct, frozen=True):
     # The worker's locale and terminal, the only variables passed inside.
     sandbox_locale: dict[str, str] = {}
     sandbox_term: str = "dumb"
+    # Real models (docs/models.md): attempts of one model call (transient
+    # provider errors), the first backoff (doubling, or the provider's
+    # Retry-After) and the time limit of one attempt.
+    model_max_attempts: int = 4
+    model_backoff_seconds: float = 0.5
+    model_timeout_seconds: float = 300.0
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -77,6 +83,9 @@ class Settings(msgspec.Struct, frozen=True):
                 sandbox_locale={k: v for k, v in env.items()
                                 if k == "LANG" or k.startswith("LC_")},
                 sandbox_term=env.get("TERM", "dumb"),
+                model_max_attempts=_positive(env, "YUXI_MODEL_MAX_ATTEMPTS", 4),
+                model_backoff_seconds=float(env.get("YUXI_MODEL_BACKOFF_SECONDS", "0.5")),
+                model_timeout_seconds=float(env.get("YUXI_MODEL_TIMEOUT_SECONDS", "300")),
             )
         except ValueError as exc:
             raise SystemExit(f"yuxi: invalid setting: {exc}") from None
