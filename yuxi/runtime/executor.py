@@ -310,26 +310,9 @@ class RunExecutor:
                               ) -> tuple[str, Next | None]:
         """Execute a run whose lease this worker holds; with `go_on`, a
         completion may hand over the session's next run."""
-        model = str(run["config"].get("model", "")).strip().partition("/")[0]
-        if model not in configured_providers():
-            return await self._execute_watched(run, token, conn, go_on, None)
-        # A real model call can last minutes: a cancel notification aborts it
-        # in flight. Listening before the intent is read again closes the gap
-        # since the lease was taken.
-        await self.cancels.ready()
-        with self.cancels.watch(run["turn_id"]) as watched:
-            if await runs.cancel_requested(self.pool, run["turn_id"]):
-                watched.cancelled = True
-            return await self._execute_watched(
-                run, token, conn, go_on, lambda call: self.cancels.run(watched, call))
-
-    async def _execute_watched(self, run: dict[str, Any], token: uuid.UUID,
-                               conn: psycopg.AsyncConnection, go_on: bool, in_flight: Any,
-                               ) -> tuple[str, Next | None]:
         run_id = run["id"]
         deltas = DeltaBatcher(self.pool, run)
-        work = asyncio.create_task(self._run_turn(
-            run, token, conn, go_on, deltas=deltas, in_flight=in_flight))
+        work = asyncio.create_task(self._watched_turn(run, token, conn, go_on, deltas))
         keeper = asyncio.create_task(self._keep_lease(run_id, token))
         try:
             await asyncio.wait({work, keeper}, return_when=asyncio.FIRST_COMPLETED)
@@ -359,6 +342,25 @@ class RunExecutor:
             for task in (work, keeper):
                 task.cancel()
             await deltas.close()
+
+    async def _watched_turn(self, run: dict[str, Any], token: uuid.UUID,
+                            conn: psycopg.AsyncConnection, go_on: bool,
+                            deltas: DeltaBatcher) -> tuple[str, Next | None]:
+        """`_run_turn`, with its model calls abortable by a cancel
+        notification when the model is a real one (the replay model stops at
+        boundaries). Runs while the lease is kept."""
+        provider = str(run["config"].get("model", "")).strip().partition("/")[0]
+        if provider not in configured_providers():
+            return await self._run_turn(run, token, conn, go_on, deltas=deltas)
+        # A real model call can last minutes. Listening before the intent is
+        # read again closes the gap since the lease was taken.
+        await self.cancels.ready()
+        with self.cancels.watch(run["turn_id"]) as watched:
+            if await runs.cancel_requested(self.pool, run["turn_id"]):
+                watched.cancelled = True
+            return await self._run_turn(
+                run, token, conn, go_on, deltas=deltas,
+                in_flight=lambda call: self.cancels.run(watched, call))
 
     async def _guard(self, turn_id: uuid.UUID) -> None:
         if await runs.cancel_requested(self.pool, turn_id):
