@@ -165,8 +165,8 @@ async def _kid_done(c, kid_id: str) -> bool:
 
 
 async def test_transient_errors_retry_and_others_fail_at_once(
-        fake, model_env, api, start_worker, alice):
-    start_worker(**model_env)
+        fake, secret, model_env, api, start_worker, alice):
+    worker = start_worker(**model_env)
     key, _ = alice
     async with client(api, key) as c:
         session = await create_session(c, (await create_agent(c, {"model": MODEL}))["id"])
@@ -193,13 +193,15 @@ async def test_transient_errors_retry_and_others_fail_at_once(
         assert len(fake.requests) - n == 2
 
         # 401: no retry, the run fails naming provider, status and message.
-        fake.script([Reply(status=401, error="invalid api key")])
+        # A provider that echoes the key back never gets it into the error.
+        fake.script([Reply(status=401, error=f"invalid api key {secret}")])
         n = len(fake.requests)
         turn = (await post_input(c, sid, "three"))["turn_id"]
         done = await wait_turn_done(c, turn, 30)
         assert done["status"] == "failed"
-        assert done["error"] == "provider_error: 401 invalid api key (provider fake)"
+        assert done["error"] == "provider_error: 401 invalid api key *** (provider fake)"
         assert len(fake.requests) - n == 1
+        assert secret not in worker.log()
 
         # Bounded attempts: 500s beyond YUXI_MODEL_MAX_ATTEMPTS fail the run.
         fake.requests.clear()
