@@ -19,6 +19,7 @@ import psycopg
 
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
+from langgraph.errors import GraphRecursionError
 from langgraph.types import Command
 from psycopg_pool import AsyncConnectionPool
 
@@ -191,6 +192,12 @@ def final_answer(messages: list[Any], input_id: str) -> AIMessage:
         if isinstance(message, AIMessage):
             return message
     raise RuntimeError("the turn ended without an answer")
+
+
+class MaxStepsExceeded(YuxiError):
+    """The turn made more model and tool steps than its config's max_steps."""
+
+    code = "max_steps_exceeded"
 
 
 class TurnCancelled(Exception):
@@ -419,6 +426,10 @@ class RunExecutor:
         while True:
             try:
                 answer, delivered = await drive(graph, cfg, run, extra, resume)
+            except GraphRecursionError:
+                raise MaxStepsExceeded(
+                    f"the turn exceeded max_steps ({int(run['config'].get('max_steps', 25))})"
+                ) from None
             except Suspended as stop:
                 if (ask := stop.user_request()) is not None:
                     await runs.suspend_for_user(self.pool, run["id"], token, *ask)
