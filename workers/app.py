@@ -8,9 +8,11 @@ import logging
 import procrastinate
 
 from yuxi import db
+from yuxi.runtime.providers import check_configured
 from yuxi.settings import Settings
 
 settings = Settings.from_env()
+check_configured()  # a bad YUXI_PROVIDERS stops the worker now
 
 # Two INFO lines per job cost measurable CPU at hundreds of runs per second;
 # our own log lines say what a run did.

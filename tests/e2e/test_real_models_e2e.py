@@ -224,7 +224,8 @@ async def test_cancel_and_stop_abort_a_streaming_call_within_a_second(
         for how in ("cancel", "stop"):
             fake.script([Reply(match=f"slow {how}", text=slow, chunk_size=2, chunk_delay=0.2)])
             n = len(fake.requests)
-            async with open_stream(c, sid) as stream:
+            # The tree stream carries deltas too.
+            async with open_stream(c, sid, scope="tree") as stream:
                 turn = (await post_input(c, sid, f"slow {how}"))["turn_id"]
                 await stream.read_until(lambda s: any(d["turn_id"] == turn for d in s.deltas),
                                         timeout=30)

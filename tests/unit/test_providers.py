@@ -136,3 +136,33 @@ def test_classification(status, transient):
     assert classify(_Status(status)) == (transient, status)
     assert classify(TimeoutError()) == (True, None)
     assert classify(ValueError("a bug of ours")) == (False, None)
+
+
+def test_every_offered_tool_has_a_precise_schema():
+    from yuxi.runtime import cooperation, questions, sandbox_tools  # noqa: F401
+    from yuxi.runtime.tools import BUILTIN_TOOLS, tool_spec
+
+    expected = {"echo", "add_note", "search_notes", "ask_user", "read_file", "write_file",
+                "list_files", "run_command", *cooperation.COOPERATION_TOOLS}
+    assert set(BUILTIN_TOOLS) == expected and len(cooperation.COOPERATION_TOOLS) == 8
+    for name, tool in BUILTIN_TOOLS.items():
+        spec = tool_spec(name, tool)["function"]
+        assert spec["name"] == name and spec["description"] and spec["description"] != name
+        params = spec["parameters"]
+        assert params["type"] == "object" and params["additionalProperties"] is False
+        assert set(params.get("required", [])) <= set(params["properties"]), name
+        if name not in ("list_sessions", "get_result", "list_files"):
+            assert params.get("required"), name  # every tool with arguments names them
+
+
+def test_a_bad_setting_stops_the_process(monkeypatch):
+    from yuxi.runtime.providers import check_configured
+
+    monkeypatch.setenv("YUXI_PROVIDERS", '{"p": {"base_url": "x"}}')
+    from yuxi.runtime import providers
+    providers.configured_providers.cache_clear()
+    with pytest.raises(SystemExit, match="invalid setting: YUXI_PROVIDERS.p.api_key_env"):
+        check_configured()
+    monkeypatch.delenv("YUXI_PROVIDERS")
+    providers.configured_providers.cache_clear()
+    assert check_configured() == {}

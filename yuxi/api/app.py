@@ -19,6 +19,7 @@ from yuxi.heap import freeze_startup_heap
 from yuxi.api import errors, events, health, routes
 from yuxi.api.auth import KeyCache, provide_scope
 from yuxi.api.hub import EventHub
+from yuxi.runtime.providers import check_configured
 from yuxi.settings import Settings
 
 WEB_DIR = Path(__file__).resolve().parents[2] / "web"
@@ -26,6 +27,7 @@ WEB_DIR = Path(__file__).resolve().parents[2] / "web"
 
 def create_app(settings: Settings | None = None) -> Litestar:
     settings = settings or Settings.from_env()
+    check_configured()  # a bad YUXI_PROVIDERS stops the process now
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:

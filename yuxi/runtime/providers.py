@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 
 __all__ = ["Provider", "ProviderConfigError", "load_providers", "configured_providers",
-           "reload_providers"]
+           "check_configured", "reload_providers"]
 
 _RESERVED = {"replay"}
 
@@ -95,6 +95,15 @@ def load_providers(text: str | None) -> dict[str, Provider]:
 def configured_providers() -> dict[str, Provider]:
     """The providers of this process (read once from YUXI_PROVIDERS)."""
     return load_providers(os.environ.get("YUXI_PROVIDERS"))
+
+
+def check_configured() -> dict[str, Provider]:
+    """The providers of this process, or SystemExit naming what is wrong
+    (called at process start: a bad YUXI_PROVIDERS stops the process)."""
+    try:
+        return configured_providers()
+    except ProviderConfigError as exc:
+        raise SystemExit(f"yuxi: invalid setting: {exc}") from None
 
 
 def reload_providers() -> dict[str, Provider]:
