@@ -274,8 +274,11 @@ async def test_blocking_result_reads(api, worker, alice):
         started = time.monotonic()
         early = ok(await c.get(f"/api/turns/{slow['turn_id']}/result", params={"wait": 0.5}))
         assert early["status"] == "running" and 0.4 < time.monotonic() - started < 3
+        started = time.monotonic()
         done = ok(await c.get(f"/api/turns/{slow['turn_id']}/result", params={"wait": 30},
                               timeout=40))
         assert done["status"] == "completed" and done["output"]["text"] == "late"
+        # Woken by the turn's events (LISTEN), not at the deadline.
+        assert time.monotonic() - started < 10
         r = await c.get(f"/api/turns/{slow['turn_id']}/result", params={"wait": 61})
         assert r.status_code in (400, 422), r.text
