@@ -206,6 +206,9 @@ CREATE TABLE yuxi.runs (
     lease_expires_at timestamptz,
     output jsonb,
     error text,
+    -- Token usage of the run's model calls (add_run_usage_v1).
+    prompt_tokens bigint NOT NULL DEFAULT 0,
+    completion_tokens bigint NOT NULL DEFAULT 0,
     created_at timestamptz NOT NULL DEFAULT now(),
     started_at timestamptz,
     finished_at timestamptz,

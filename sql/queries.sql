@@ -124,7 +124,8 @@ FROM yuxi.turns t
 WHERE t.id = %(id)s AND t.user_id = %(user_id)s AND t.app_id = %(app_id)s;
 
 -- name: runs_of_turn
-SELECT id, turn_id, attempt, status, error, created_at, started_at, finished_at
+SELECT id, turn_id, attempt, status, error, prompt_tokens, completion_tokens,
+       created_at, started_at, finished_at
 FROM yuxi.runs WHERE turn_id = %(turn_id)s
 ORDER BY slot_seq;
 
@@ -419,3 +420,28 @@ SELECT (SELECT count(*) FROM yuxi.runs
 -- name: metrics_turn_duration
 SELECT status, extract(epoch FROM finished_at - created_at)::float8 AS seconds
 FROM yuxi.turns WHERE id = %(turn_id)s AND finished_at IS NOT NULL;
+
+-- Models ---------------------------------------------------------------------
+
+-- name: add_run_usage
+SELECT yuxi.add_run_usage_v1(%(run_id)s, %(token)s, %(prompt)s, %(completion)s);
+
+-- name: notify_delta
+SELECT pg_notify('yuxi_deltas', %(payload)s);
+
+-- name: session_usage
+SELECT coalesce(sum(r.prompt_tokens), 0)::bigint AS prompt_tokens,
+       coalesce(sum(r.completion_tokens), 0)::bigint AS completion_tokens
+FROM yuxi.turns t JOIN yuxi.runs r ON r.turn_id = t.id
+WHERE t.session_id = %(session_id)s AND t.user_id = %(user_id)s AND t.app_id = %(app_id)s;
+
+-- name: tree_usage
+SELECT coalesce(sum(r.prompt_tokens), 0)::bigint AS prompt_tokens,
+       coalesce(sum(r.completion_tokens), 0)::bigint AS completion_tokens
+FROM yuxi.sessions s JOIN yuxi.turns t ON t.session_id = s.id
+JOIN yuxi.runs r ON r.turn_id = t.id
+WHERE s.tree_id = %(tree_id)s AND s.user_id = %(user_id)s AND s.app_id = %(app_id)s;
+
+-- name: get_turn_tree
+SELECT t.tree_id FROM yuxi.turns t
+WHERE t.id = %(id)s AND t.user_id = %(user_id)s AND t.app_id = %(app_id)s;

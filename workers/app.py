@@ -8,9 +8,11 @@ import logging
 import procrastinate
 
 from yuxi import db
+from yuxi.runtime.providers import check_configured
 from yuxi.settings import Settings
 
 settings = Settings.from_env()
+check_configured()  # a bad YUXI_PROVIDERS stops the worker now
 
 # This host's own queue: runs of trees whose sandbox lives on this host's
 # disk, and the host's own periodic jobs (sql/120_hosts.sql).

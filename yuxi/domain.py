@@ -64,6 +64,13 @@ class Agent(msgspec.Struct, frozen=True):
     created_at: dt.datetime
 
 
+class Usage(msgspec.Struct, frozen=True):
+    """Token usage of model calls (as the provider reported it)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
 class QueueState(msgspec.Struct, frozen=True):
     length: int
     paused: bool
@@ -83,6 +90,8 @@ class Session(msgspec.Struct, frozen=True):
     created_at: dt.datetime
     current_turn_id: uuid.UUID | None
     queue: QueueState
+    # Summed over the session's runs (GET /api/sessions/{id} only).
+    usage: Usage | None = None
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> Session:
@@ -91,13 +100,15 @@ class Session(msgspec.Struct, frozen=True):
         return cls(**fields)
 
 
-class Receipt(msgspec.Struct, frozen=True):
+class Receipt(msgspec.Struct, frozen=True, omit_defaults=True):
     input_id: uuid.UUID
     session_id: uuid.UUID
     status: str
     turn_id: uuid.UUID | None
     mode: str
     position: int | None
+    # With `?wait=`: the created turn's result (terminal or as it stood).
+    result: TurnResult | None = None
 
 
 class Input(msgspec.Struct, frozen=True):
@@ -126,6 +137,7 @@ class Run(msgspec.Struct, frozen=True):
     created_at: dt.datetime
     started_at: dt.datetime | None
     finished_at: dt.datetime | None
+    usage: Usage | None = None
 
 
 class Turn(msgspec.Struct, frozen=True):
@@ -141,6 +153,8 @@ class Turn(msgspec.Struct, frozen=True):
     runs: list[Run] | None = None
     # What the turn waits for from its user (approval or questions), if any.
     pending: dict[str, Any] | None = None
+    # Summed over its runs.
+    usage: Usage | None = None
 
 
 class TurnResult(msgspec.Struct, frozen=True):

@@ -73,6 +73,13 @@ class Settings(msgspec.Struct, frozen=True):
     # The worker's Prometheus /metrics port (0: none).
     worker_metrics_port: int = 0
 
+    # Real models (docs/models.md): attempts of one model call (transient
+    # provider errors), the first backoff (doubling, or the provider's
+    # Retry-After) and the time limit of one attempt.
+    model_max_attempts: int = 4
+    model_backoff_seconds: float = 0.5
+    model_timeout_seconds: float = 300.0
+
     @property
     def session_database_url(self) -> str:
         """Where connections that need a session go (direct, never pooled)."""
@@ -122,6 +129,9 @@ class Settings(msgspec.Struct, frozen=True):
                 worker_metrics_port=_between(
                     "YUXI_WORKER_METRICS_PORT", int(env.get("YUXI_WORKER_METRICS_PORT", "0")),
                     0, 65535),
+                model_max_attempts=_positive(env, "YUXI_MODEL_MAX_ATTEMPTS", 4),
+                model_backoff_seconds=float(env.get("YUXI_MODEL_BACKOFF_SECONDS", "0.5")),
+                model_timeout_seconds=float(env.get("YUXI_MODEL_TIMEOUT_SECONDS", "300")),
             )
         except ValueError as exc:
             raise SystemExit(f"yuxi: invalid setting: {exc}") from None

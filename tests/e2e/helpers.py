@@ -149,6 +149,8 @@ class EventStream:
         self.events: list[dict[str, Any]] = []
         self.ids: list[str] = []
         self.comments: list[str] = []
+        # `message.delta` frames (data), in arrival order.
+        self.deltas: list[dict[str, Any]] = []
         self._frames = sse_frames(response)
 
     @property
@@ -170,6 +172,13 @@ class EventStream:
                     self.comments.extend(frame.comments)
                     if frame.data is not None:
                         event = json.loads(frame.data)
+                        if event.get("type") == "message.delta":
+                            # Ephemeral: no id line, no seq, never replayed.
+                            assert frame.id is None, frame
+                            self.deltas.append(event)
+                            if done(self):
+                                return self
+                            continue
                         assert frame.id == str(event["seq"]), (frame.id, event)
                         self.ids.append(frame.id)
                         self.events.append(event)

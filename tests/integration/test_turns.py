@@ -179,3 +179,18 @@ async def test_unknown_model_at_session_creation_is_refused(pool, alice):
                                       model="nope/x")
     assert err.value.code == "unknown_model"
     assert await scalar(pool, "SELECT count(*) FROM yuxi.sessions") == 0
+
+
+async def test_max_steps_ends_a_runaway_turn(pool, checkpoint_pool, alice):
+    _, scope = alice
+    loop = {"default": [{"call": [{"tool": "echo", "args": {"text": "again"}}]}] * 50}
+    for max_steps, outcome in ((3, "failed"), (25, "completed")):
+        script = loop if outcome == "failed" else {"default": [
+            {"call": [{"tool": "echo", "args": {"text": "once"}}]}, {"say": "done"}]}
+        session = await new_session(pool, scope, {"model": "replay", "tools": ["echo"],
+                                                  "max_steps": max_steps, "replay": script})
+        receipt = await sessions.receive_input(pool, scope, session.id, content="go")
+        assert await drain(pool, checkpoint_pool) == [outcome]
+        result = await sessions.get_result(pool, scope, receipt.turn_id)
+        if outcome == "failed":
+            assert result.error == "max_steps_exceeded: the turn exceeded max_steps (3)"

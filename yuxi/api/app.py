@@ -20,6 +20,7 @@ from yuxi.api import errors, events, health, routes, web
 from yuxi.api.auth import KeyCache, provide_scope
 from yuxi.api.hub import EventHub
 from yuxi.metrics import ApiMetrics
+from yuxi.runtime.providers import check_configured
 from yuxi.settings import Settings
 
 WEB_DIR = Path(__file__).resolve().parents[2] / "web"
@@ -27,6 +28,7 @@ WEB_DIR = Path(__file__).resolve().parents[2] / "web"
 
 def create_app(settings: Settings | None = None) -> Litestar:
     settings = settings or Settings.from_env()
+    check_configured()  # a bad YUXI_PROVIDERS stops the process now
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -49,8 +51,8 @@ def create_app(settings: Settings | None = None) -> Litestar:
     return Litestar(
         route_handlers=[
             routes.AgentController, routes.SessionController, routes.InputController,
-            routes.TurnController, events.stream_events, health.healthz, health.readyz,
-            health.status_page, health.metrics, routes.list_models,
+            routes.TurnController, routes.models, events.stream_events, health.healthz,
+            health.readyz, health.status_page, health.metrics,
             web.index_page, web.session_page, web.sign_in, web.who_am_i, web.sign_out,
             create_static_files_router(path="/static", directories=[WEB_DIR / "static"],
                                        include_in_schema=False),

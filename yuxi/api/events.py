@@ -59,6 +59,15 @@ async def stream_events(
     return ServerSentEvent(_events(request, str(session.tree_id), only, cursor))
 
 
+def _delta_frame(delta: dict) -> str:
+    """`message.delta`: no `id:` line, not stored, not replayed."""
+    return msgspec.json.encode({
+        "type": "message.delta", "session_id": delta.get("session_id"),
+        "turn_id": delta.get("turn_id"), "run_id": delta.get("run_id"),
+        "data": {"message_id": delta.get("message_id"), "delta": delta.get("delta")},
+    }).decode()
+
+
 async def _fetch(pool, tree_id: str, session_id, after: int) -> list[dict]:
     async with pool.connection() as conn:
         return await db.fetch_all(
@@ -71,10 +80,16 @@ async def _events(
 ) -> AsyncIterator[ServerSentEventMessage]:
     state = request.app.state
     keepalive = state.settings.sse_keepalive_seconds
-    with state.hub.subscribe(tree_id) as wake:
+    only = str(session_id) if session_id is not None else None
+    with state.hub.subscribe(tree_id) as wake, state.hub.subscribe_deltas(tree_id, wake) as deltas:
         yield ServerSentEventMessage(data=None, comment="connected", retry=1000)
         while True:
             wake.clear()  # before reading: a NOTIFY during the read wakes us again
+            # Deltas first: they were sent before the durable events that follow.
+            while deltas:
+                delta = deltas.popleft()
+                if only is None or delta.get("session_id") == only:
+                    yield ServerSentEventMessage(data=_delta_frame(delta))
             # Shielded: a client disconnect must not cancel a query mid-flight
             # (psycopg would discard the pooled connection).
             rows = await asyncio.shield(_fetch(state.pool, tree_id, session_id, cursor))

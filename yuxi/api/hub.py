@@ -9,15 +9,21 @@ notifications sent while disconnected are gone.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 from collections import defaultdict
 
+import msgspec
 import psycopg
 
 log = logging.getLogger(__name__)
 
 CHANNEL = "yuxi_events"
+# Ephemeral text deltas of streaming models (yuxi.runtime.live): fanned out
+# as they come, never stored; a slow subscriber drops the oldest.
+DELTA_CHANNEL = "yuxi_deltas"
+DELTA_BUFFER = 1000
 
 
 class EventHub:
@@ -26,6 +32,8 @@ class EventHub:
         self.poll_seconds = poll_seconds
         self.connected = False
         self._subscribers: dict[str, set[asyncio.Event]] = defaultdict(set)
+        self._delta_subscribers: dict[str, dict[int, tuple[collections.deque, asyncio.Event]]] = \
+            defaultdict(dict)
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -55,6 +63,31 @@ class EventHub:
         """Open SSE streams of this process (a metric)."""
         return sum(len(members) for members in self._subscribers.values())
 
+    @contextlib.contextmanager
+    def subscribe_deltas(self, tree_id: str, wake: asyncio.Event):
+        """A deque receiving the tree's `message.delta` payloads (dicts);
+        `wake` is set when one arrives."""
+        box = (collections.deque(maxlen=DELTA_BUFFER), wake)
+        self._delta_subscribers[tree_id][id(box)] = box
+        try:
+            yield box[0]
+        finally:
+            members = self._delta_subscribers.get(tree_id)
+            if members is not None:
+                members.pop(id(box), None)
+                if not members:
+                    del self._delta_subscribers[tree_id]
+
+    def _delta(self, payload: str) -> None:
+        try:
+            delta = msgspec.json.decode(payload)
+            members = list(self._delta_subscribers.get(delta["tree_id"], {}).values())
+        except (msgspec.DecodeError, KeyError, TypeError):
+            return
+        for queue, wake in members:
+            queue.append(delta)
+            wake.set()
+
     def _wake(self, tree_id: str) -> None:
         for wake in self._subscribers.get(tree_id, ()):
             wake.set()
@@ -72,12 +105,16 @@ class EventHub:
                     self.url, autocommit=True
                 ) as conn:
                     await conn.execute(f"LISTEN {CHANNEL}")
+                    await conn.execute(f"LISTEN {DELTA_CHANNEL}")
                     self.connected = True
                     backoff = 0.2
                     self._wake_all()
                     while True:
                         # A bounded wait so a dead connection is noticed.
                         async for note in conn.notifies(timeout=self.poll_seconds):
+                            if note.channel == DELTA_CHANNEL:
+                                self._delta(note.payload)
+                                continue
                             self._wake(note.payload.partition(" ")[0])
                         await conn.execute("SELECT 1")
             except asyncio.CancelledError:

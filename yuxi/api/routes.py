@@ -14,18 +14,15 @@ from yuxi.api.schemas import (AgentCreate, InputCreate, Page, SessionCreate, Ses
                               TurnAnswer)
 from yuxi.api.auth import Caller
 from yuxi.domain import Agent, Input, Receipt, Scope, Session, Turn, TurnResult
-from yuxi.runtime.models import PROVIDERS
+from yuxi.runtime.models import list_models
 from yuxi.services import accounts, conversation, sessions
+
+# `?wait=<seconds>` of the blocking reads: up to 60.
+WaitSeconds = Annotated[float | None, QueryParameter(ge=0, le=60)]
 
 
 def _pool(request: Request):
     return request.app.state.pool
-
-
-@get("/api/models", operation_id="listModels", tags=["models"])
-async def list_models(caller: Caller) -> dict[str, list[dict[str, str]]]:
-    """The models a session may name: one entry per registered provider."""
-    return {"items": [{"id": name, "provider": name} for name in sorted(PROVIDERS)]}
 
 
 class AgentController(Controller):
@@ -65,7 +62,9 @@ class SessionController(Controller):
 
     @get("/{session_id:uuid}", operation_id="getSession")
     async def get_session(self, request: Request, caller: Caller, session_id: FromPath[uuid.UUID]) -> Session:
-        return await sessions.get_session(_pool(request), caller, session_id)
+        session = await sessions.get_session(_pool(request), caller, session_id)
+        usage = await sessions.session_usage(_pool(request), caller, session_id)
+        return msgspec.structs.replace(session, usage=usage)
 
     @post("/{session_id:uuid}", operation_id="updateSession", status_code=200)
     async def update_session(
@@ -75,13 +74,19 @@ class SessionController(Controller):
 
     @post("/{session_id:uuid}/inputs", operation_id="createInput", status_code=202)
     async def create_input(
-        self, request: Request, caller: Caller, session_id: FromPath[uuid.UUID], data: JSONBody[InputCreate]
+        self, request: Request, caller: Caller, session_id: FromPath[uuid.UUID], data: JSONBody[InputCreate],
+        wait: WaitSeconds = None,
     ) -> Receipt:
-        return await sessions.receive_input(
+        receipt = await sessions.receive_input(
             _pool(request), caller, session_id, content=data.content, mode=data.mode,
             model=data.model, approval_mode=data.approval_mode,
             client_request_id=data.client_request_id, by_user=True,
         )
+        if wait is None or receipt.turn_id is None:
+            return receipt
+        result = await sessions.wait_result(_pool(request), request.app.state.hub, caller,
+                                            receipt.turn_id, wait)
+        return msgspec.structs.replace(receipt, result=result)
 
     @post("/{session_id:uuid}/stop", operation_id="stopTree", status_code=202)
     async def stop(self, request: Request, caller: Caller,
@@ -100,7 +105,8 @@ class SessionController(Controller):
         members = await sessions.get_tree(_pool(request), caller, session_id)
         tree_id = members[0]["id"] if members else None
         slots = await sessions.tree_slot_use(_pool(request), tree_id) if tree_id else None
-        return {"tree_id": tree_id, "sessions": members, "slots": slots}
+        usage = await sessions.tree_usage(_pool(request), caller, tree_id) if tree_id else None
+        return {"tree_id": tree_id, "sessions": members, "slots": slots, "usage": usage}
 
     @get("/{session_id:uuid}/turns", operation_id="listTurns")
     async def list_turns(self, request: Request, caller: Caller, session_id: FromPath[uuid.UUID]) -> list[Turn]:
@@ -145,5 +151,15 @@ class TurnController(Controller):
             answers=data.answers)
 
     @get("/{turn_id:uuid}/result", operation_id="getTurnResult")
-    async def get_result(self, request: Request, caller: Caller, turn_id: FromPath[uuid.UUID]) -> TurnResult:
-        return await sessions.get_result(_pool(request), caller, turn_id)
+    async def get_result(self, request: Request, caller: Caller, turn_id: FromPath[uuid.UUID],
+                         wait: WaitSeconds = None) -> TurnResult:
+        if wait is None:
+            return await sessions.get_result(_pool(request), caller, turn_id)
+        return await sessions.wait_result(_pool(request), request.app.state.hub, caller,
+                                          turn_id, wait)
+
+
+@get("/api/models", operation_id="listModels", tags=["models"])
+async def models(caller: Caller) -> dict[str, Any]:
+    """The models a caller can choose (replay and the configured providers')."""
+    return {"items": list_models()}

@@ -45,25 +45,32 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         },
         "required": ["name", "task"],
     },
-    "send_message": {"properties": {"session": {"type": "string"}, "text": {"type": "string"}},
+    "send_message": {"description": "Send a message to another session of your tree (it starts no work).",
+        "properties": {"session": {"type": "string"}, "text": {"type": "string"}},
                      "required": ["session", "text"]},
-    "submit_input": {"properties": {"session": {"type": "string"}, "text": {"type": "string"},
+    "submit_input": {"description": "Give a session work: an input queued (or steering its running turn).",
+        "properties": {"session": {"type": "string"}, "text": {"type": "string"},
                                     "mode": {"enum": ["steer", "queue"]}},
                      "required": ["session", "text"]},
-    "cancel_turn": {"properties": {"session": {"type": "string"}, "turn_id": {"type": "string"}},
+    "cancel_turn": {"description": "Cancel exactly one turn of a session.",
+        "properties": {"session": {"type": "string"}, "turn_id": {"type": "string"}},
                     "required": ["session", "turn_id"]},
-    "wait_sessions": {"properties": {"sessions": {"type": "array", "items": {"type": "string"},
+    "wait_sessions": {"description": "Wait until the given sessions have news (a turn ended, a message).",
+        "properties": {"sessions": {"type": "array", "items": {"type": "string"},
                                                   "minItems": 1},
                                      "timeout_s": {"type": "number"}},
                       "required": ["sessions"]},
-    "list_sessions": {"properties": {"scope": {"enum": ["tree", "children"]},
+    "list_sessions": {"description": "List the sessions of your tree (or your children) with their state.",
+        "properties": {"scope": {"enum": ["tree", "children"]},
                                      "cursor": {"type": "string"},
                                      "limit": {"type": "integer"}}},
-    "wait_inputs": {"properties": {"input_ids": {"type": "array", "items": {"type": "string"},
+    "wait_inputs": {"description": "Wait until the given inputs' turns have ended.",
+        "properties": {"input_ids": {"type": "array", "items": {"type": "string"},
                                                  "minItems": 1},
                                    "timeout_s": {"type": "number"}},
                     "required": ["input_ids"]},
-    "get_result": {"properties": {"input_id": {"type": "string"},
+    "get_result": {"description": "The exact result of an input or turn.",
+        "properties": {"input_id": {"type": "string"},
                                   "turn_id": {"type": "string"}}},
 }
 
@@ -342,6 +349,8 @@ for _name, _fn, _waits, _effect_tool in [
     ("wait_sessions", wait_sessions, True, False), ("list_sessions", list_sessions, False, False),
     ("wait_inputs", wait_inputs, True, False), ("get_result", get_result, False, False),
 ]:
-    register(_name, Tool(_fn, waits=_waits, side_effect=_effect_tool))
+    register(_name, Tool(_fn, waits=_waits, side_effect=_effect_tool, schema=SCHEMAS[_name],
+                         description=SCHEMAS[_name].get("description")
+                         or (_fn.__doc__ or _name).strip().splitlines()[0]))
 
 COOPERATION_TOOLS = tuple(SCHEMAS)

@@ -20,12 +20,17 @@ import psycopg
 
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
+from langgraph.errors import GraphRecursionError
 from langgraph.types import Command
 from psycopg_pool import AsyncConnectionPool
 
+from yuxi import db
 from yuxi.errors import LeaseLost, SandboxElsewhere, YuxiError
+from yuxi.runtime.calls import CallPolicy
 from yuxi.runtime.graph import build_graph
+from yuxi.runtime.live import CallCancelled, CancelWatch, DeltaBatcher
 from yuxi.runtime.models import build_chat_model
+from yuxi.runtime.providers import configured_providers
 from yuxi.runtime.saver import checkpoint_connection
 from yuxi.runtime import confine, cooperation, questions, sandbox_tools  # noqa: F401  (tool registration)
 from yuxi.runtime.tools import ToolContext, available_tools
@@ -54,13 +59,29 @@ class EventReporter:
     reports it then."""
 
     def __init__(self, pool: AsyncConnectionPool, run_id: uuid.UUID, token: uuid.UUID,
-                 turn_id: uuid.UUID) -> None:
+                 turn_id: uuid.UUID, deltas: DeltaBatcher | None = None) -> None:
         self.pool, self.run_id, self.token, self.turn_id = pool, run_id, token, turn_id
+        self.deltas = deltas
 
     async def _emit(self, type_: str, data: dict[str, Any], key: str) -> None:
         await runs.emit(self.pool, self.run_id, self.token, type_, data, f"{self.turn_id}:{key}")
 
+    async def delta(self, message_id: str, text: str) -> None:
+        """Ephemeral text of a streaming answer (NOTIFY only, no table)."""
+        if self.deltas is not None:
+            await self.deltas.add(message_id, text)
+
+    async def usage(self, prompt_tokens: int, completion_tokens: int) -> None:
+        async with self.pool.connection() as conn:
+            with db.domain_errors():
+                await db.execute(conn, "add_run_usage", {
+                    "run_id": self.run_id, "token": self.token, "prompt": prompt_tokens,
+                    "completion": completion_tokens})
+
     async def message(self, message: AIMessage) -> None:
+        # Deltas go out before the durable message that holds them all.
+        if self.deltas is not None:
+            await self.deltas.flush()
         if message.tool_calls:
             await self._emit(*message_event(message))
 
@@ -174,6 +195,12 @@ def final_answer(messages: list[Any], input_id: str) -> AIMessage:
     raise RuntimeError("the turn ended without an answer")
 
 
+class MaxStepsExceeded(YuxiError):
+    """The turn made more model and tool steps than its config's max_steps."""
+
+    code = "max_steps_exceeded"
+
+
 class TurnCancelled(Exception):
     """A cancel intent for the turn was committed: stop at this boundary."""
 
@@ -261,6 +288,9 @@ class RunExecutor:
         self.jail = confine.for_settings(settings)
         # yuxi.metrics.WorkerMetrics when this worker exposes metrics.
         self.metrics: Any = None
+        # The process's LISTEN on cancel notifications, started by the first
+        # run of a real model (the replay model stops at boundaries).
+        self.cancels = CancelWatch(pool.conninfo)
 
     async def execute(self, run_id: uuid.UUID) -> str:
         """Execute a run, then the session's next queued turns handed to this
@@ -306,7 +336,8 @@ class RunExecutor:
         """Execute a run whose lease this worker holds; with `go_on`, a
         completion may hand over the session's next run."""
         run_id = run["id"]
-        work = asyncio.create_task(self._run_turn(run, token, conn, go_on))
+        deltas = DeltaBatcher(self.pool, run)
+        work = asyncio.create_task(self._watched_turn(run, token, conn, go_on, deltas))
         keeper = asyncio.create_task(self._keep_lease(run_id, token))
         try:
             await asyncio.wait({work, keeper}, return_when=asyncio.FIRST_COMPLETED)
@@ -319,7 +350,7 @@ class RunExecutor:
                 return work.result()
             except LeaseLost:
                 return "lease_lost", None
-            except TurnCancelled:
+            except (TurnCancelled, CallCancelled):
                 await runs.cancel_run(self.pool, run_id, token)
                 return "cancelled", None
             except SandboxElsewhere:
@@ -342,6 +373,26 @@ class RunExecutor:
         finally:
             for task in (work, keeper):
                 task.cancel()
+            await deltas.close()
+
+    async def _watched_turn(self, run: dict[str, Any], token: uuid.UUID,
+                            conn: psycopg.AsyncConnection, go_on: bool,
+                            deltas: DeltaBatcher) -> tuple[str, Next | None]:
+        """`_run_turn`, with its model calls abortable by a cancel
+        notification when the model is a real one (the replay model stops at
+        boundaries). Runs while the lease is kept."""
+        provider = str(run["config"].get("model", "")).strip().partition("/")[0]
+        if provider not in configured_providers():
+            return await self._run_turn(run, token, conn, go_on, deltas=deltas)
+        # A real model call can last minutes. Listening before the intent is
+        # read again closes the gap since the lease was taken.
+        await self.cancels.ready()
+        with self.cancels.watch(run["turn_id"]) as watched:
+            if await runs.cancel_requested(self.pool, run["turn_id"]):
+                watched.cancelled = True
+            return await self._run_turn(
+                run, token, conn, go_on, deltas=deltas,
+                in_flight=lambda call: self.cancels.run(watched, call))
 
     async def _guard(self, turn_id: uuid.UUID) -> None:
         if await runs.cancel_requested(self.pool, turn_id):
@@ -360,7 +411,9 @@ class RunExecutor:
                 log.exception("heartbeat of run %s failed", run_id)
 
     async def _run_turn(self, run: dict[str, Any], token: uuid.UUID,
-                        conn: psycopg.AsyncConnection, go_on: bool) -> tuple[str, Next | None]:
+                        conn: psycopg.AsyncConnection, go_on: bool, *,
+                        deltas: DeltaBatcher | None = None, in_flight: Any = None,
+                        ) -> tuple[str, Next | None]:
         """Drive the graph and complete the run; a steer that arrived while the
         model produced the final answer gets one more model call; a wait tool
         suspends the run (unless its condition already holds)."""
@@ -382,20 +435,26 @@ class RunExecutor:
             # `conn` is marked with this run's lease (by its start or by the
             # completion that handed it over).
             return await self._drive_turn(run, token, visible, box, AsyncPostgresSaver(conn),
-                                          go_on)
+                                          go_on, deltas=deltas, in_flight=in_flight)
         finally:
             if box is not None:
                 await sandbox.touch(self.pool, run["tree_id"])
 
     async def _drive_turn(self, run: dict[str, Any], token: uuid.UUID,
                           visible: list[resources.Resolved], box: Any, saver: Any,
-                          go_on: bool = False) -> tuple[str, Next | None]:
-        graph, cfg = self._graph(run, token, saver, visible, box)
+                          go_on: bool = False, *, deltas: DeltaBatcher | None = None,
+                          in_flight: Any = None) -> tuple[str, Next | None]:
+        graph, cfg = self._graph(run, token, saver, visible, box, deltas=deltas,
+                                 in_flight=in_flight)
         extra: list[Any] = []
         resume = run.get("resume")
         while True:
             try:
                 answer, delivered = await drive(graph, cfg, run, extra, resume)
+            except GraphRecursionError:
+                raise MaxStepsExceeded(
+                    f"the turn exceeded max_steps ({int(run['config'].get('max_steps', 25))})"
+                ) from None
             except Suspended as stop:
                 if (ask := stop.user_request()) is not None:
                     await runs.suspend_for_user(self.pool, run["id"], token, *ask)
@@ -424,7 +483,8 @@ class RunExecutor:
                 (await graph.aget_state(cfg)).values["messages"])
 
     def _graph(self, run: dict[str, Any], token: uuid.UUID, saver: Any,
-               visible: list[resources.Resolved] = (), box: Any = None,
+               visible: list[resources.Resolved] = (), box: Any = None, *,
+               deltas: DeltaBatcher | None = None, in_flight: Any = None,
                ) -> tuple[Any, dict[str, Any]]:
         config = run["config"]
         session = {"id": str(run["session_id"]), "name": run["session_name"],
@@ -433,12 +493,20 @@ class RunExecutor:
                    "tree_id": str(run["tree_id"])}
         model = build_chat_model(config["model"], config,
                                  approval_mode=config.get("approval_mode", "auto"),
-                                 session=session)
+                                 session=session, timeout=self.settings.model_timeout_seconds)
+        provider_name = config["model"].strip().partition("/")[0]
+        provider = configured_providers().get(provider_name)
+        policy = CallPolicy(provider=provider_name,
+                            max_attempts=self.settings.model_max_attempts,
+                            backoff_seconds=self.settings.model_backoff_seconds,
+                            timeout_seconds=self.settings.model_timeout_seconds,
+                            secrets=(provider.api_key(),) if provider else (),
+                            require_finish=provider is not None)
         preamble = [identity_message(run)]
         if config.get("system_prompt"):
             preamble.append(SystemMessage(content=config["system_prompt"], id="system"))
         tools = available_tools(selected_tools(config), list(visible))
-        reporter = EventReporter(self.pool, run["id"], token, run["turn_id"])
+        reporter = EventReporter(self.pool, run["id"], token, run["turn_id"], deltas)
         graph = build_graph(model, tools, reporter, preamble=preamble,
                             checkpointer=saver,
                             inbox=SteerInbox(self.pool, run, token, first_checked=not run.get(
@@ -448,7 +516,8 @@ class RunExecutor:
                                 call_id=call_id, visible=tuple(visible), run=run,
                                 cursors=cursors, waits_in_step=waits_in_step,
                                 default_model=self.settings.default_model, sandbox=box),
-                            guard=lambda: self._guard(run["turn_id"]))
+                            guard=lambda: self._guard(run["turn_id"]),
+                            policy=policy, in_flight=in_flight)
         cfg = {"configurable": {"thread_id": str(run["session_id"])},
                "recursion_limit": 2 * int(config.get("max_steps", 25)) + 2}
         if self.metrics is not None:

@@ -16,7 +16,8 @@ from langgraph.graph import END, START, StateGraph
 from langgraph.graph.message import add_messages
 from langgraph.types import Send
 
-from yuxi.runtime.tools import Tool, ToolContext, call_tool
+from yuxi.runtime.calls import CallPolicy, call_model as call_chat_model
+from yuxi.runtime.tools import Tool, ToolContext, call_tool, tool_spec
 
 
 def merge_cursors(old: dict[str, int] | None, new: dict[str, int] | None) -> dict[str, int]:
@@ -58,6 +59,9 @@ class RunReporter(Protocol):
     async def message(self, message: AIMessage) -> None: ...
     async def tool_started(self, call: dict[str, Any]) -> None: ...
     async def tool_finished(self, call: dict[str, Any], result: str) -> None: ...
+    # Optional: text deltas while the model streams, token usage of a call.
+    # async def delta(self, message_id: str, text: str) -> None: ...
+    # async def usage(self, prompt_tokens: int, completion_tokens: int) -> None: ...
 
 
 def tool_message_id(call_id: str) -> str:
@@ -76,6 +80,8 @@ def build_graph(
     inbox: Inbox | None = None,
     tool_context: Callable[..., ToolContext] | None = None,
     guard: Callable[[], Awaitable[None]] | None = None,
+    policy: CallPolicy | None = None,
+    in_flight: Callable[[Awaitable[Any]], Awaitable[Any]] | None = None,
 ):
     """Compile the graph of one run. `preamble` (identity, system prompt) is
     prepended to every model call and never stored in the conversation.
@@ -84,13 +90,24 @@ def build_graph(
     inbox's new messages join the conversation; they are checkpointed with the
     model's answer, so a re-executed step takes them in again by id, never twice.
     """
-    bound = model.bind_tools(list(tools)) if tools else model
+    bound = model.bind_tools([tool_spec(n, t) for n, t in tools.items()]) if tools else model
     inbox = inbox or NoInbox()
+    policy = policy or CallPolicy()
+    on_delta = getattr(reporter, "delta", None)
+    on_usage = getattr(reporter, "usage", None)
 
     async def call_model(state: AgentState) -> dict[str, Any]:
         # The inbox is the model boundary: it also stops a cancelled turn.
         arrived = await inbox.take(state["messages"])
-        answer = await bound.ainvoke([*preamble, *state["messages"], *arrived])
+        call = call_chat_model(bound, [*preamble, *state["messages"], *arrived], policy,
+                               on_delta)
+        # `in_flight` lets a cancel notification abort the call (and its
+        # HTTP request) at once instead of at the next boundary.
+        answer = await (in_flight(call) if in_flight else call)
+        usage = answer.usage_metadata
+        if usage and on_usage is not None:
+            await on_usage(int(usage.get("input_tokens") or 0),
+                           int(usage.get("output_tokens") or 0))
         await reporter.message(answer)
         return {"messages": [*arrived, answer]}
 

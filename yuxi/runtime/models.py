@@ -1,9 +1,9 @@
 """Which chat models a session may use, and how to build them.
 
-Model names are ``<provider>`` or ``<provider>/<name>``. A provider is a
-factory registered in ``PROVIDERS`` under its prefix; only the deterministic
-``replay`` provider exists today, and an OpenAI-compatible one can be added by
-registering another factory, without touching callers.
+Model names are ``<provider>`` or ``<provider>/<name>``, split at the first
+``/``. ``replay`` (deterministic, scripted) is always there; OpenAI-compatible
+providers come from ``YUXI_PROVIDERS`` (yuxi.runtime.providers) and serve the
+models listed for them, e.g. ``vllm/Qwen/Qwen2.5-7B-Instruct``.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Protocol
 
 from langchain_core.language_models.chat_models import BaseChatModel
 
+from yuxi.runtime.providers import Provider, configured_providers
 from yuxi.runtime.replay import ReplayChatModel, validate_script
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "UnknownModelError",
     "build_chat_model",
     "check_model_name",
+    "list_models",
     "validate_agent_config",
 ]
 
@@ -54,21 +56,48 @@ PROVIDERS: dict[str, ProviderFactory] = {"replay": _build_replay}
 
 def check_model_name(name: str) -> str:
     """Return ``name`` normalized (surrounding whitespace stripped), or raise
-    ``UnknownModelError`` if no registered provider serves it."""
+    ``UnknownModelError`` if no registered or configured provider serves it."""
     # Config values arrive unchecked from JSON, so a non-string is refused too.
     normalized = name.strip() if isinstance(name, str) else ""
     provider, slash, rest = normalized.partition("/")
     if provider in PROVIDERS and (not slash or _NAME_RE.fullmatch(rest)):
         return normalized
+    configured = configured_providers()
+    if provider in configured and slash and rest in configured[provider].models:
+        return normalized
     accepted = ", ".join(f"'{p}' or '{p}/<name>'" for p in sorted(PROVIDERS))
+    served = "".join(f", '{m['id']}'" for m in list_models() if m["provider"] not in PROVIDERS)
     raise UnknownModelError(
-        f"unknown model {name!r}: accepted are {accepted}, "
+        f"unknown model {name!r}: accepted are {accepted}{served}, "
         "where <name> is made of letters, digits, '.', '_' and '-'"
     )
 
 
+def list_models() -> list[dict[str, str]]:
+    """The models a caller can choose: replay, then each configured model."""
+    items = [{"id": p, "provider": p} for p in sorted(PROVIDERS)]
+    for provider in configured_providers().values():
+        items += [{"id": f"{provider.name}/{m}", "provider": provider.name}
+                  for m in provider.models]
+    return items
+
+
+def build_openai_model(provider: Provider, model: str, *, timeout: float | None = None
+                       ) -> BaseChatModel:
+    """A streaming ``ChatOpenAI`` for one configured model; the key is read
+    from the worker's environment now. Retries are ours (yuxi.runtime.calls),
+    so the client's own are off."""
+    from langchain_openai import ChatOpenAI
+
+    params = dict(provider.params)
+    return ChatOpenAI(model=model, base_url=provider.base_url, api_key=provider.api_key(),
+                      streaming=True, stream_usage=True, max_retries=0, timeout=timeout,
+                      **params)
+
+
 def build_chat_model(
-    name: str, config: dict, *, approval_mode: str, session: dict
+    name: str, config: dict, *, approval_mode: str, session: dict,
+    timeout: float | None = None,
 ) -> BaseChatModel:
     """Build the chat model ``name`` for a session.
 
@@ -76,7 +105,11 @@ def build_chat_model(
     it (``replay`` reads its script from ``config["replay"]``).
     """
     name = check_model_name(name)
-    factory = PROVIDERS[name.partition("/")[0]]
+    provider, _, model = name.partition("/")
+    if provider not in PROVIDERS:
+        return build_openai_model(configured_providers()[provider], model,
+                                  timeout=timeout)
+    factory = PROVIDERS[provider]
     return factory(name, config, approval_mode=approval_mode, session=session)
 
 

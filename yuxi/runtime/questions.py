@@ -67,4 +67,17 @@ async def ask_user(ctx: ToolContext, args: dict[str, Any]) -> Any:
     return {"answers": answers}
 
 
-register("ask_user", Tool(ask_user))
+ASK_USER_SCHEMA = {
+    "properties": {"questions": {
+        "type": "array", "minItems": 1, "maxItems": MAX_QUESTIONS,
+        "items": {"type": "object",
+                  "properties": {"id": {"type": "string"}, "question": {"type": "string"},
+                                 "options": {"type": "array", "items": {"type": "string"}},
+                                 "multi_select": {"type": "boolean"},
+                                 "allow_other": {"type": "boolean"}},
+                  "required": ["question"]}}},
+    "required": ["questions"],
+}
+register("ask_user", Tool(ask_user, schema=ASK_USER_SCHEMA,
+                          description="Ask the user 1 to 5 questions (with options or free "
+                                      "text) and wait for the answers."))

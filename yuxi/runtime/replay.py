@@ -13,7 +13,9 @@ Script shape::
      "default": [STEP, ...]}
 
     STEP = {"say": "<template>"} | {"call": [{"tool": "<name>", "args": {...}}]}
-           plus an optional "delay_ms": N
+           plus an optional "delay_ms": N (before the answer), and for a "say"
+           step "stream": true with "chunk_delay_ms": N (the text streams
+           word by word, N ms apart)
 
 Every string of a step is a Jinja2 template (see ``_Turn.variables``).
 """
@@ -33,8 +35,9 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import SandboxedEnvironment
 from langchain_core.language_models.chat_models import BaseChatModel
-from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
-from langchain_core.outputs import ChatGeneration, ChatResult
+from langchain_core.messages import (AIMessage, AIMessageChunk, BaseMessage, HumanMessage,
+                                     ToolMessage)
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import Field
 
 __all__ = [
@@ -45,7 +48,7 @@ __all__ = [
 ]
 
 _FALLBACK_STEP: dict[str, Any] = {"say": ""}
-_STEP_KEYS = {"say", "call", "delay_ms"}
+_STEP_KEYS = {"say", "call", "delay_ms", "stream", "chunk_delay_ms"}
 
 
 class ReplayScriptError(ValueError):
@@ -98,10 +101,15 @@ def _check_step(step: Any, path: str) -> None:
     _no_unknown_keys(step, _STEP_KEYS, path)
     if ("say" in step) == ("call" in step):
         raise ReplayScriptError(f"{path}: needs exactly one of 'say' or 'call'")
-    delay = step.get("delay_ms", 0)
-    # bool is an int subclass, but `"delay_ms": true` is certainly a mistake.
-    if not isinstance(delay, int) or isinstance(delay, bool) or delay < 0:
-        raise ReplayScriptError(f"{path}.delay_ms: expected a non-negative integer")
+    for key in ("delay_ms", "chunk_delay_ms"):
+        delay = step.get(key, 0)
+        # bool is an int subclass, but `"delay_ms": true` is certainly a mistake.
+        if not isinstance(delay, int) or isinstance(delay, bool) or delay < 0:
+            raise ReplayScriptError(f"{path}.{key}: expected a non-negative integer")
+    if not isinstance(step.get("stream", False), bool):
+        raise ReplayScriptError(f"{path}.stream: expected true or false")
+    if ("stream" in step or "chunk_delay_ms" in step) and "say" not in step:
+        raise ReplayScriptError(f"{path}: only a 'say' step streams")
     if "say" in step:
         if not isinstance(step["say"], str):
             raise ReplayScriptError(f"{path}.say: expected a string")
@@ -304,6 +312,37 @@ class ReplayChatModel(BaseChatModel):
             await asyncio.sleep(delay_ms / 1000)
         return ChatResult(generations=[ChatGeneration(message=message)])
 
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: Any = None,
+        **kwargs: Any,
+    ):
+        """The answer as chunks: a streaming step's text word by word
+        (`chunk_delay_ms` apart), any other step in one chunk."""
+        # Through _agenerate (its delay included), so subclasses that hook
+        # it (tests' gated model) see every call.
+        result = await self._agenerate(messages, stop, run_manager, **kwargs)
+        message = result.generations[0].message
+        step = message.response_metadata.get("replay_stream")
+        if step:
+            pieces = re.findall(r"\S+\s*|\s+", str(message.content)) or [""]
+            for i, piece in enumerate(pieces):
+                if i and step["chunk_delay_ms"]:
+                    await asyncio.sleep(step["chunk_delay_ms"] / 1000)
+                yield ChatGenerationChunk(message=AIMessageChunk(
+                    content=piece, id=message.id,
+                    response_metadata=message.response_metadata if i == 0 else {}))
+            return
+        # A step that does not stream is one answer, with no deltas.
+        yield ChatGenerationChunk(message=AIMessageChunk(
+            content=message.content, id=message.id,
+            response_metadata={**message.response_metadata, "no_delta": True},
+            tool_call_chunks=[{"name": c["name"], "args": json.dumps(c["args"]),
+                               "id": c["id"], "index": i, "type": "tool_call_chunk"}
+                              for i, c in enumerate(message.tool_calls)]))
+
     def _reply(self, messages: Sequence[BaseMessage]) -> tuple[AIMessage, int]:
         """The answer for this point of the turn, and how long to wait before it."""
         turn = _Turn.find(messages)
@@ -322,11 +361,14 @@ class ReplayChatModel(BaseChatModel):
                 "id": f"call-{turn.key}-{k}-{i}",
                 "type": "tool_call",
             })
+        metadata: dict[str, Any] = {"model_name": self.model_name, "replay_step": k}
+        if step.get("stream"):
+            metadata["replay_stream"] = {"chunk_delay_ms": step.get("chunk_delay_ms", 0)}
         message = AIMessage(
             content=content,
             tool_calls=tool_calls,
             id=f"ai-{turn.key}-{k}",
-            response_metadata={"model_name": self.model_name, "replay_step": k},
+            response_metadata=metadata,
         )
         return message, step.get("delay_ms", 0)
 

@@ -200,7 +200,22 @@ async def _run_on_host(ctx: ToolContext, box: Any, command: str, timeout: float,
             "cancelled": cancelled}
 
 
-register("read_file", Tool(read_file, group="sandbox"))
-register("write_file", Tool(write_file, group="sandbox", side_effect=True))
-register("list_files", Tool(list_files, group="sandbox"))
-register("run_command", Tool(run_command, group="sandbox", side_effect=True))
+_PATH = {"type": "string", "description": "a path relative to the tree's workdir"}
+register("read_file", Tool(read_file, group="sandbox",
+                           description="Read a file of the workdir.",
+                           schema={"properties": {"path": _PATH}, "required": ["path"]}))
+register("write_file", Tool(write_file, group="sandbox", side_effect=True,
+                            description="Write (create or replace) a file of the workdir.",
+                            schema={"properties": {"path": _PATH, "content": {"type": "string"}},
+                                    "required": ["path", "content"]}))
+register("list_files", Tool(list_files, group="sandbox",
+                            description="List a directory of the workdir.",
+                            schema={"properties": {"path": _PATH}}))
+register("run_command", Tool(run_command, group="sandbox", side_effect=True,
+                             description="Run a shell command in the tree's sandbox "
+                                         "(cwd: the workdir).",
+                             schema={"properties": {
+                                 "command": {"type": "string"},
+                                 "timeout_s": {"type": "number", "exclusiveMinimum": 0},
+                                 "background": {"type": "boolean"}},
+                                 "required": ["command"]}))

@@ -74,6 +74,25 @@ class Tool(msgspec.Struct, frozen=True):
     waits: bool = False
     # Side-effecting tools ask their user first in approval mode "confirm".
     side_effect: bool = False
+    # What a model is offered: a description and the JSON schema of the
+    # arguments (an object schema: properties, required).
+    description: str = ""
+    schema: dict[str, Any] = {}
+
+
+def tool_spec(name: str, tool: Tool) -> dict[str, Any]:
+    """The OpenAI function-tool form of a tool, offered to real models."""
+    schema = tool.schema or {}
+    parameters: dict[str, Any] = {"type": "object",
+                                  "properties": schema.get("properties", {}),
+                                  "additionalProperties": False}
+    if schema.get("required"):
+        parameters["required"] = list(schema["required"])
+    return {"type": "function",
+            "function": {"name": name,
+                         "description": tool.description or schema.get("description")
+                         or (tool.fn.__doc__ or name).strip().splitlines()[0],
+                         "parameters": parameters}}
 
 
 async def _echo(ctx: ToolContext, args: dict[str, Any]) -> Any:
@@ -103,9 +122,18 @@ async def _search_notes(ctx: ToolContext, args: dict[str, Any]) -> Any:
 
 
 BUILTIN_TOOLS: dict[str, Tool] = {
-    "echo": Tool(_echo),
-    "add_note": Tool(_add_note, group="notes", side_effect=True),
-    "search_notes": Tool(_search_notes, group="notes"),
+    "echo": Tool(_echo, description="Return the given text.",
+                 schema={"properties": {"text": {"type": "string"}}, "required": ["text"]}),
+    "add_note": Tool(_add_note, group="notes", side_effect=True,
+                     description="Write a note into a collection.",
+                     schema={"properties": {"collection": {"type": "string"},
+                                            "text": {"type": "string"}},
+                             "required": ["collection", "text"]}),
+    "search_notes": Tool(_search_notes, group="notes",
+                         description="Notes of a visible collection containing the query.",
+                         schema={"properties": {"collection": {"type": "string"},
+                                                "query": {"type": "string"}},
+                                 "required": ["collection", "query"]}),
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import datetime as dt
 import uuid
@@ -11,7 +12,8 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from yuxi import db
-from yuxi.domain import Input, Receipt, Run, Scope, Session, Turn, TurnResult, from_row
+from yuxi.domain import (Input, Receipt, Run, Scope, Session, Turn, TurnResult, Usage,
+                         from_row)
 from yuxi.errors import IllegalTransition, InvalidRequest, NotFound
 from yuxi.runtime.models import UnknownModelError, check_model_name
 from yuxi.services.accounts import get_agent
@@ -225,8 +227,54 @@ async def get_turn(pool: AsyncConnectionPool, scope: Scope, turn_id: uuid.UUID) 
         runs = await db.fetch_all(conn, "runs_of_turn", {"turn_id": turn_id})
         wait = await db.fetch_one(conn, "pending_user_wait",
                                   {**scope.params(), "turn_id": turn_id})
-    return from_row(Turn, {**row, "runs": [from_row(Run, r) for r in runs],
-                           "pending": public_request(wait) if wait else None})
+    usages = [Usage(r["prompt_tokens"], r["completion_tokens"]) for r in runs]
+    return from_row(Turn, {**row, "runs": [from_row(Run, {**r, "usage": u})
+                                           for r, u in zip(runs, usages)],
+                           "pending": public_request(wait) if wait else None,
+                           "usage": Usage(sum(u.prompt_tokens for u in usages),
+                                          sum(u.completion_tokens for u in usages))})
+
+
+TERMINAL_TURN = frozenset({"completed", "failed", "cancelled"})
+MAX_WAIT_SECONDS = 60.0
+
+
+async def wait_result(pool: AsyncConnectionPool, hub: Any, scope: Scope, turn_id: uuid.UUID,
+                      wait: float) -> TurnResult:
+    """The turn's result as soon as it is terminal, or as it stands after
+    `wait` seconds (at most 60). Woken by the tree's event notifications
+    (the API process's one LISTEN connection), never by polling."""
+    result = await get_result(pool, scope, turn_id)
+    if result.status in TERMINAL_TURN or wait <= 0:
+        return result
+    async with pool.connection() as conn:
+        row = await db.fetch_one(conn, "get_turn_tree", {**scope.params(), "id": turn_id})
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + min(wait, MAX_WAIT_SECONDS)
+    with hub.subscribe(str(row["tree_id"])) as wake:
+        while True:
+            wake.clear()  # before reading: a NOTIFY during the read wakes us again
+            result = await get_result(pool, scope, turn_id)
+            left = deadline - loop.time()
+            if result.status in TERMINAL_TURN or left <= 0:
+                return result
+            try:
+                await asyncio.wait_for(wake.wait(), timeout=left)
+            except TimeoutError:
+                pass
+
+
+async def session_usage(pool: AsyncConnectionPool, scope: Scope, session_id: uuid.UUID) -> Usage:
+    async with pool.connection() as conn:
+        row = await db.fetch_one(conn, "session_usage", {**scope.params(),
+                                                         "session_id": session_id})
+    return Usage(row["prompt_tokens"], row["completion_tokens"])
+
+
+async def tree_usage(pool: AsyncConnectionPool, scope: Scope, tree_id: uuid.UUID) -> Usage:
+    async with pool.connection() as conn:
+        row = await db.fetch_one(conn, "tree_usage", {**scope.params(), "tree_id": tree_id})
+    return Usage(row["prompt_tokens"], row["completion_tokens"])
 
 
 _PUBLIC = {"approvals": ("call_id", "tool", "args"),

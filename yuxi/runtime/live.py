@@ -1,0 +1,197 @@
+"""What a worker sends and hears outside the events table:
+
+- `DeltaBatcher`: text deltas of a streaming model call, NOTIFYed on
+  `yuxi_deltas` about every 50 ms in payloads under 8 KB. They touch no
+  table, are not numbered and are never replayed (`message.delta` on SSE).
+- `CancelWatch`: the worker process's one LISTEN connection on `yuxi_cancel`
+  (the turns trigger of sql/130_models.sql): a model call of a turn whose
+  cancel commits is aborted at once, with its HTTP request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Awaitable
+from typing import Any
+
+import msgspec
+import psycopg
+from psycopg_pool import AsyncConnectionPool
+
+from yuxi import db
+
+log = logging.getLogger(__name__)
+
+DELTA_CHANNEL = "yuxi_deltas"
+CANCEL_CHANNEL = "yuxi_cancel"
+FLUSH_SECONDS = 0.05
+# Characters of text per payload: even 6 bytes per character (JSON escapes)
+# keeps a payload under PostgreSQL's 8000-byte limit.
+MAX_CHARS = 1000
+
+
+def delta_payloads(ids: dict[str, str], message_id: str, text: str) -> list[str]:
+    """The NOTIFY payloads of `text` (split so that each is < 8000 bytes)."""
+    out = []
+    for i in range(0, len(text), MAX_CHARS):
+        out.append(msgspec.json.encode({**ids, "message_id": message_id,
+                                        "delta": text[i:i + MAX_CHARS]}).decode())
+    return out
+
+
+class DeltaBatcher:
+    """Collects one run's deltas and NOTIFYs them in batches."""
+
+    def __init__(self, pool: AsyncConnectionPool, run: dict[str, Any]) -> None:
+        self.pool = pool
+        self.ids = {"tree_id": str(run["tree_id"]), "session_id": str(run["session_id"]),
+                    "turn_id": str(run["turn_id"]), "run_id": str(run["id"])}
+        self._message_id: str | None = None
+        self._parts: list[str] = []
+        self._timer: asyncio.Task | None = None
+        self._lock = asyncio.Lock()
+
+    async def add(self, message_id: str, text: str) -> None:
+        if self._message_id not in (None, message_id):
+            await self.flush()
+        self._message_id = message_id
+        self._parts.append(text)
+        if self._timer is None or self._timer.done():
+            self._timer = asyncio.create_task(self._flush_later())
+
+    async def _flush_later(self) -> None:
+        await asyncio.sleep(FLUSH_SECONDS)
+        await self._send()
+
+    async def flush(self) -> None:
+        """Send what is pending now (before the durable message commits)."""
+        if self._timer is not None and not self._timer.done():
+            self._timer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._timer
+        await self._send()
+
+    async def _send(self) -> None:
+        async with self._lock:
+            if not self._parts or self._message_id is None:
+                return
+            text, self._parts = "".join(self._parts), []
+            try:
+                async with self.pool.connection() as conn:
+                    for payload in delta_payloads(self.ids, self._message_id, text):
+                        await db.execute(conn, "notify_delta", {"payload": payload})
+            except Exception as exc:  # deltas are best effort, never a failure
+                log.warning("deltas of run %s not sent: %s", self.ids["run_id"], exc)
+
+    async def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._timer
+
+
+class CallCancelled(Exception):
+    """The turn's cancel notification arrived: its model call was aborted."""
+
+
+class _Watched:
+    def __init__(self) -> None:
+        self.cancelled = False
+        self.calls: set[asyncio.Task] = set()
+        self.cancelled_at: float | None = None
+
+
+class CancelWatch:
+    """One LISTEN connection per worker process, on `yuxi_cancel`."""
+
+    def __init__(self, url: str, *, poll_seconds: float = 5.0) -> None:
+        self.url = url
+        self.poll_seconds = poll_seconds
+        self._turns: dict[str, list[_Watched]] = {}
+        self._task: asyncio.Task | None = None
+        self._ready = asyncio.Event()
+
+    def _ensure_started(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._listen_forever(), name="yuxi-cancel-watch")
+
+    async def ready(self, timeout: float = 5.0) -> bool:
+        self._ensure_started()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._ready.wait(), timeout)
+        return self._ready.is_set()
+
+    @contextlib.contextmanager
+    def watch(self, turn_id: uuid.UUID | str):
+        self._ensure_started()
+        key = str(turn_id)
+        entry = _Watched()
+        self._turns.setdefault(key, []).append(entry)
+        try:
+            yield entry
+        finally:
+            entries = self._turns.get(key, [])
+            if entry in entries:
+                entries.remove(entry)
+            if not entries:
+                self._turns.pop(key, None)
+
+    async def run(self, entry: _Watched, call: Awaitable[Any]) -> Any:
+        """Await a model call; raise CallCancelled when the turn's cancel
+        notification arrives first (the call's task is cancelled, which
+        closes its HTTP request)."""
+        if entry.cancelled:
+            if asyncio.iscoroutine(call):
+                call.close()
+            raise CallCancelled()
+        task = asyncio.ensure_future(call)
+        entry.calls.add(task)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            if entry.cancelled and not _current_cancelling():
+                raise CallCancelled() from None
+            raise
+        finally:
+            entry.calls.discard(task)
+            if not task.done():
+                task.cancel()
+
+    def _cancel(self, turn_id: str) -> None:
+        for entry in self._turns.get(turn_id, ()):
+            entry.cancelled = True
+            entry.cancelled_at = time.monotonic()
+            for task in list(entry.calls):
+                task.cancel()
+
+    async def _listen_forever(self) -> None:
+        backoff = 0.2
+        while True:
+            try:
+                async with await psycopg.AsyncConnection.connect(
+                        self.url, autocommit=True) as conn:
+                    await conn.execute(f"LISTEN {CANCEL_CHANNEL}")
+                    self._ready.set()
+                    backoff = 0.2
+                    while True:
+                        async for note in conn.notifies(timeout=self.poll_seconds):
+                            self._cancel(note.payload)
+                        await conn.execute("SELECT 1")
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                # Missed notifications cost latency only: boundaries still check.
+                log.warning("cancel listener lost its connection: %s", exc)
+            finally:
+                self._ready.clear()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
+
+
+def _current_cancelling() -> bool:
+    task = asyncio.current_task()
+    return bool(task and task.cancelling())
