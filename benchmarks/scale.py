@@ -330,6 +330,7 @@ class Op:
     statement: str  # psycopg text (named %(x)s parameters)
     params: Any  # callable(ids, rng) -> dict
     rolled_back: bool = False
+    nested: bool = False  # a function call: show the plans of its statements
     checkpoint: bool = False  # on a checkpointer-like connection (langgraph schema)
     samples_ms: list[float] = field(default_factory=list)
     plan: str = ""
@@ -370,10 +371,14 @@ def operations() -> list[Op]:
         return rng.choice(ids["members"])
 
     return [
+        # The noise floor: a round trip that does nothing (on a busy machine
+        # its p99 is the scheduler's, and so is every other operation's).
+        Op("baseline: SELECT 1", "a round trip doing nothing: the noise floor of the machine",
+           "SELECT 1 AS one WHERE %(x)s::int = 1", lambda ids, rng: {"x": 1}),
         Op("list, first page", "GET /api/sessions (51 rows)", Q["list_root_sessions"],
-           lambda ids, rng: {**scope(ids), "limit": 51}),
+           lambda ids, rng: {**scope(ids), "limit": 51}, nested=True),
         Op("list, deep page", "GET /api/sessions?cursor= (a cursor in the oldest tenth)",
-           Q["list_root_sessions_after"], deep),
+           Q["list_root_sessions_after"], deep, nested=True),
         Op("session", "get_session (the tree's and the SSE route's first read)",
            Q["get_session"], lambda ids, rng: {**scope(ids), "id": rng.choice(ids["trees"])}),
         Op("tree", "GET /api/sessions/{id}/tree (10 members)", Q["tree_sessions"],
@@ -449,7 +454,7 @@ def explain(conn: psycopg.Connection, op: Op, ids: dict, rng: random.Random) -> 
     parameters; for a function, the plans of the statements it ran."""
     params = op.params(ids, rng)
     notices: list[str] = []
-    if op.rolled_back:
+    if op.rolled_back or op.nested:
         # The statements inside the function, as they ran (plpgsql caches
         # its plans: these are the connection's warm ones).
         conn.execute("LOAD 'auto_explain'")

@@ -44,6 +44,7 @@ GROUPS = {
     "yuxi": ["yuxi.events", "yuxi.runs", "yuxi.turns", "yuxi.inputs"],
 }
 TABLES = [t for ts in GROUPS.values() for t in ts]
+TOAST_CHUNK = 1996  # TOAST_MAX_CHUNK_SIZE with 8 kB pages: the bytes of a full chunk
 
 
 def words(rng: random.Random, size: int) -> str:
@@ -60,19 +61,25 @@ def words(rng: random.Random, size: int) -> str:
     return " ".join(out)[:size]
 
 
-def measure(conn: psycopg.Connection) -> dict[str, tuple[int, int]]:
-    """Per table: (live row bytes, bytes on disk after VACUUM)."""
+def measure(conn: psycopg.Connection) -> dict[str, tuple[int, int, int]]:
+    """Per table: (live row bytes, bytes on disk after VACUUM, TOAST chunks
+    inserted so far). The writers' pools are closed before (an exiting
+    backend flushes its statistics)."""
     conn.execute("VACUUM " + ", ".join(TABLES))
     out = {}
     for table in TABLES:
         live = conn.execute(f"SELECT coalesce(sum(pg_column_size(t.*)), 0) FROM {table} t"
                             ).fetchone()[0]
         disk = conn.execute("SELECT pg_total_relation_size(%s::regclass)", (table,)).fetchone()[0]
-        out[table] = (int(live), int(disk))
+        chunks = conn.execute(
+            "SELECT coalesce(s.n_tup_ins, 0) FROM pg_class c "
+            "LEFT JOIN pg_stat_all_tables s ON s.relid = c.reltoastrelid "
+            "WHERE c.oid = %s::regclass", (table,)).fetchone()[0]
+        out[table] = (int(live), int(disk), int(chunks))
     return out
 
 
-async def run(opts: argparse.Namespace) -> dict[int, dict[str, tuple[int, int]]]:
+async def run(opts: argparse.Namespace) -> dict[int, dict[str, tuple[int, int, int]]]:
     from benchmarks.run import fresh_database
     from yuxi import db
     from yuxi.runtime.executor import RunExecutor
@@ -80,12 +87,19 @@ async def run(opts: argparse.Namespace) -> dict[int, dict[str, tuple[int, int]]]
     from yuxi.settings import Settings
 
     await fresh_database(opts.database_url)
-    pool = db.app_pool(opts.database_url, max_size=4)
-    checkpoints = db.checkpoint_pool(opts.database_url, max_size=4)
-    await pool.open(wait=True)
-    await checkpoints.open(wait=True)
+
+    async def open_pools() -> tuple[Any, Any, Any]:
+        pool = db.app_pool(opts.database_url, max_size=4)
+        checkpoints = db.checkpoint_pool(opts.database_url, max_size=4)
+        await pool.open(wait=True)
+        await checkpoints.open(wait=True)
+        executor = RunExecutor(Settings(database_url=opts.database_url), pool, checkpoints,
+                               max_continued_turns=0)
+        return pool, checkpoints, executor
+
+    pool, checkpoints, executor = await open_pools()
     points = sorted({p for p in (20, 100, opts.turns // 2, opts.turns) if p <= opts.turns})
-    readings: dict[int, dict[str, tuple[int, int]]] = {}
+    readings: dict[int, dict[str, tuple[int, int, int]]] = {}
     try:
         _key, scope = await accounts.create_key(pool, "storage", "storage")
         agent = await accounts.create_agent(
@@ -93,8 +107,6 @@ async def run(opts: argparse.Namespace) -> dict[int, dict[str, tuple[int, int]]]
             {"model": "replay", "replay": {"default": [{"say": "ok {{ input }}"}]}})
         session = await sessions.create_session(pool, scope, agent_id=agent.id,
                                                 default_model="replay")
-        executor = RunExecutor(Settings(database_url=opts.database_url), pool, checkpoints,
-                               max_continued_turns=0)
         sync = psycopg.connect(opts.database_url, autocommit=True)
         readings[0] = measure(sync)
         rng = random.Random(6)
@@ -113,7 +125,10 @@ async def run(opts: argparse.Namespace) -> dict[int, dict[str, tuple[int, int]]]
             if outcome != "completed":
                 raise RuntimeError(f"turn {n}: {outcome}")
             if n in points:
+                await pool.close()
+                await checkpoints.close()
                 readings[n] = measure(sync)
+                pool, checkpoints, executor = await open_pools()
                 print(f"storage: turn {n} ({time.perf_counter() - began:.0f} s)",
                       file=sys.stderr)
         sync.close()
@@ -123,12 +138,12 @@ async def run(opts: argparse.Namespace) -> dict[int, dict[str, tuple[int, int]]]
     return readings
 
 
-def per_turn(readings: dict[int, dict[str, tuple[int, int]]], a: int, b: int,
+def per_turn(readings: dict[int, dict[str, tuple[int, int, int]]], a: int, b: int,
              tables: list[str], k: int) -> float:
     return sum(readings[b][t][k] - readings[a][t][k] for t in tables) / (b - a)
 
 
-def report(opts: argparse.Namespace, readings: dict[int, dict[str, tuple[int, int]]],
+def report(opts: argparse.Namespace, readings: dict[int, dict[str, tuple[int, int, int]]],
            elapsed: float) -> str:
     n = opts.turns
     early, late = (20, 100), (n // 2, n)
@@ -145,9 +160,14 @@ def report(opts: argparse.Namespace, readings: dict[int, dict[str, tuple[int, in
             y = per_turn(readings, *late, tables, k)
             lines.append(f"| {kind}: {group} | {x:,.0f} | {y:,.0f} | "
                          f"{y / x if x else float('nan'):.2f} |")
+    for group, tables in [*GROUPS.items(), ("total", TABLES)]:
+        x = per_turn(readings, *early, tables, 2) * TOAST_CHUNK
+        y = per_turn(readings, *late, tables, 2) * TOAST_CHUNK
+        lines.append(f"| written to TOAST (chunks x {TOAST_CHUNK:,}): {group} | {x:,.0f} | "
+                     f"{y:,.0f} | {y / x if x else float('nan'):.2f} |")
     lines += ["", "Per table at the end (live rows / on disk, bytes):", ""]
     for t in TABLES:
-        live, disk = readings[n][t]
+        live, disk, _chunks = readings[n][t]
         lines.append(f"- {t}: {live:,} / {disk:,}")
     live_total = per_turn(readings, *late, TABLES, 0)
     disk_total = per_turn(readings, *late, TABLES, 1)
