@@ -51,7 +51,7 @@ import psycopg
 from psycopg import sql
 
 from benchmarks import run as bench
-from benchmarks.measure import CpuSnapshot
+from benchmarks.measure import CpuSnapshot, backend_pids
 
 DEFAULT_URL = "postgresql://postgres@127.0.0.1:5432/yuxi_peers"
 DEFAULT_DBOS_URL = "postgresql://postgres@127.0.0.1:5432/yuxi_peers_dbos"
@@ -67,7 +67,14 @@ class Side:
     latencies_ms: list[float] = field(default_factory=list)
     sequential_ms: list[float] = field(default_factory=list)
     busy_cores: float = 0.0
+    cpu_ms: dict[str, float] = field(default_factory=dict)  # CPU per turn by part
     error: str | None = None
+
+    @property
+    def server_ms(self) -> float:
+        """CPU per turn of the system (its processes and its database's
+        backends; not the load generator)."""
+        return self.cpu_ms.get("server processes", 0.0) + self.cpu_ms.get("postgres backends", 0.0)
 
     @property
     def rate(self) -> float:
@@ -102,14 +109,19 @@ async def drive(turn_fn: Any, sessions: list[str], n: int, clients: int) -> tupl
     return time.perf_counter() - began, latencies
 
 
-async def measure_side(side: Side, turn_fn: Any, make_sessions: Any, opts: Any) -> None:
+async def measure_side(side: Side, turn_fn: Any, make_sessions: Any, opts: Any,
+                       server_pids: list[int], url: str) -> None:
     warm = await make_sessions(WARMUP)
     await drive(turn_fn, warm, WARMUP, opts.clients)
     sessions = await make_sessions(opts.sessions)
-    before = CpuSnapshot.take({})
+    pids = {"server processes": server_pids, "client": os.getpid()}
+    before = CpuSnapshot.take(pids, await backend_pids(url))
     side.elapsed, side.latencies_ms = await asyncio.wait_for(
         drive(turn_fn, sessions, opts.turns, opts.clients), opts.timeout)
-    side.busy_cores = CpuSnapshot.take({}).minus(before).busy / side.elapsed
+    cpu = CpuSnapshot.take(pids, await backend_pids(url)).minus(before)
+    side.busy_cores = cpu.busy / side.elapsed
+    side.cpu_ms = {**{k: v / opts.turns * 1000 for k, v in cpu.processes.items()},
+                   "postgres backends": cpu.backend_total / opts.turns * 1000}
     side.turns = opts.turns
     seq_sessions = await make_sessions(5)
     _, side.sequential_ms = await asyncio.wait_for(
@@ -186,7 +198,8 @@ async def run_yuxi(opts: Any, log_dir: Path) -> Side:
         await bench.wait_ready(base, procs)
         client = YuxiClient(base, key, agent_id, opts.clients)
         try:
-            await measure_side(side, client.turn, client.sessions, opts)
+            await measure_side(side, client.turn, client.sessions, opts,
+                               [p.pid for p in procs], opts.database_url)
         finally:
             await client.aclose()
     finally:
@@ -265,7 +278,8 @@ async def run_dbos(opts: Any, log_dir: Path) -> Side:
                 await asyncio.sleep(0.2)
         client = DbosClient(base, opts.clients)
         try:
-            await measure_side(side, client.turn, client.sessions, opts)
+            await measure_side(side, client.turn, client.sessions, opts, [proc.pid],
+                               opts.dbos_database_url)
         finally:
             await client.aclose()
     except Exception as exc:
@@ -283,14 +297,18 @@ def report(opts: Any, sides: list[Side]) -> str:
              f"{opts.clients} HTTP clients; sequential: {opts.sequential} turns by one "
              f"client; {os.cpu_count()} vCPUs", "",
              "| system | turns/s | latency p50 ms | p99 ms | sequential p50 ms | "
-             "machine busy (cores) |", "|---|---|---|---|---|---|"]
+             "machine busy (cores) | CPU ms per turn: server processes + PostgreSQL "
+             "backends (client) | turns/s per core of that CPU |",
+             "|---|---|---|---|---|---|---|---|"]
     for s in sides:
         if s.error:
-            lines.append(f"| {s.name} | failed: {s.error.splitlines()[0]} | | | | |")
+            lines.append(f"| {s.name} | failed: {s.error.splitlines()[0]} | | | | | | |")
             continue
         lines.append(f"| {s.name} | {s.rate:.1f} | {bench.percentile(s.latencies_ms, 50):.0f} | "
                      f"{bench.percentile(s.latencies_ms, 99):.0f} | {s.seq_p50:.1f} | "
-                     f"{s.busy_cores:.2f} |")
+                     f"{s.busy_cores:.2f} | {s.cpu_ms['server processes']:.1f} + "
+                     f"{s.cpu_ms['postgres backends']:.1f} = {s.server_ms:.1f} "
+                     f"({s.cpu_ms['client']:.1f}) | {1000 / s.server_ms:.0f} |")
     yuxi, peer = sides[0], sides[-1]
     if len(sides) > 1 and not yuxi.error and not peer.error:
         tr = yuxi.rate / peer.rate
@@ -298,7 +316,9 @@ def report(opts: Any, sides: list[Side]) -> str:
         lines += ["", f"peers: yuxi={yuxi.rate:.1f} turns/s dbos={peer.rate:.1f} turns/s "
                       f"ratio={tr:.2f} (target >= 2: {'met' if tr >= 2 else 'NOT met'}); "
                       f"sequential p50 yuxi={yuxi.seq_p50:.1f} ms dbos={peer.seq_p50:.1f} ms "
-                      f"ratio={lr:.2f} (target <= 0.5: {'met' if lr <= 0.5 else 'NOT met'})"]
+                      f"ratio={lr:.2f} (target <= 0.5: {'met' if lr <= 0.5 else 'NOT met'}); "
+                      f"CPU per turn yuxi={yuxi.server_ms:.1f} ms dbos={peer.server_ms:.1f} ms "
+                      f"(capacity ratio {peer.server_ms / yuxi.server_ms:.2f})"]
     for s in sides:
         if s.error:
             lines += ["", f"{s.name} failed:", s.error]
