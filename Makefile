@@ -55,7 +55,7 @@ test: setup ## run the tests (PYTEST_ARGS="-k name" to select)
 bench: setup ## run the benchmarks (the headline: system vs direct graph)
 	$(BIN)/python -m benchmarks.run
 
-bench-scale: setup ## queries at scale: 10k and 100k sessions, plans, p50/p99 (~8 min)
+bench-scale: setup ## queries at scale: 10k and 100k sessions, plans, p50/p99 (~2-4 min)
 	$(BIN)/python -m benchmarks.scale $(BENCH_ARGS)
 
 # The peer system (DBOS Transact, from PyPI) is the optional `bench` extra.
@@ -64,13 +64,13 @@ $(BENCH_STAMP): pyproject.toml $(STAMP)
 	$(BIN)/pip install -q -e '.[test,bench]'
 	@touch $@
 
-bench-peers: setup $(BENCH_STAMP) ## the peers' workload through Yuxi and through DBOS 3.4 (~4 min)
+bench-peers: setup $(BENCH_STAMP) ## the peers' workload through Yuxi and through DBOS 3.4 (~1 min)
 	$(BIN)/python -m benchmarks.peers $(BENCH_ARGS)
 
-bench-storage: setup ## bytes per turn of a 1,000-turn session (~3 min)
+bench-storage: setup ## bytes per turn of a 1,000-turn session (~2.5-3 min)
 	$(BIN)/python -m benchmarks.storage $(BENCH_ARGS)
 
-bench-all: bench bench-scale bench-peers bench-storage ## every benchmark, one after the other
+bench-all: bench bench-scale bench-peers bench-storage ## every benchmark, one after the other (~10 min)
 
 db-init: setup ## create the database of YUXI_DATABASE_URL and install the schema
 	$(BIN)/yuxi db init
