@@ -119,7 +119,8 @@ STEPS: list[tuple[str, str]] = [
                {_owner('i')}, %(app)s, {_agent('i')}, 'c' || j, '/root/c' || j,
                'member ' || j, %(config)s,
                %(t0)s + i * interval '1 second' + j * interval '1 millisecond'
-          FROM generate_series(%(lo)s::int, %(hi)s::int) i, generate_series(1, %(per_tree)s::int - 1) j"""),
+          FROM generate_series(%(lo)s::int, %(hi)s::int) i,
+               generate_series(1, %(per_tree)s::int - 1) j"""),
     # Input, turn and run of each completed turn in one statement: the turn
     # names its result run and the run its turn (immediate foreign keys both
     # ways, checked at the end of the statement, when all three are in).
@@ -132,7 +133,8 @@ STEPS: list[tuple[str, str]] = [
                    md5('run:' || i || ':' || j || ':' || n)::uuid AS run_id,
                    %(t0)s + i * interval '1 second' + j * interval '1 millisecond'
                           + n * interval '10 microseconds' AS at
-              FROM generate_series(%(lo)s::int, %(hi)s::int) i, generate_series(0, %(per_tree)s::int - 1) j,
+              FROM generate_series(%(lo)s::int, %(hi)s::int) i,
+                   generate_series(0, %(per_tree)s::int - 1) j,
                    generate_series(1, %(turns)s::int) n
         ), ins_inputs AS (
             INSERT INTO yuxi.inputs (id, session_id, tree_id, user_id, app_id, content, mode,
@@ -193,7 +195,8 @@ STEPS: list[tuple[str, str]] = [
     ("events", f"""
         INSERT INTO yuxi.events (tree_id, seq, user_id, app_id, session_id, turn_id, run_id,
                                  type, data, created_at)
-        SELECT md5('tree:' || i)::uuid, q, {_owner('i')}, %(app)s, {_sid('i', 'q %% %(per_tree)s::int')},
+        SELECT md5('tree:' || i)::uuid, q, {_owner('i')}, %(app)s,
+               {_sid('i', 'q %% %(per_tree)s::int')},
                md5('turn:' || i || ':' || q %% %(per_tree)s::int || ':'
                    || 1 + (q / %(per_tree)s::int) %% %(turns)s::int)::uuid,
                md5('run:' || i || ':' || q %% %(per_tree)s::int || ':'
@@ -206,7 +209,8 @@ STEPS: list[tuple[str, str]] = [
                     ELSE jsonb_build_object('input_id', md5('input:' || q)::uuid, 'mode', 'queue')
                END,
                %(t0)s + i * interval '1 second' + q * interval '1 millisecond'
-          FROM generate_series(%(lo)s::int, %(hi)s::int) i, generate_series(1, %(events)s::int) q"""),
+          FROM generate_series(%(lo)s::int, %(hi)s::int) i,
+               generate_series(1, %(events)s::int) q"""),
     ("checkpoints", f"""
         INSERT INTO langgraph.checkpoints (thread_id, checkpoint_ns, checkpoint_id,
                                            parent_checkpoint_id, type, checkpoint, metadata)
@@ -221,7 +225,8 @@ STEPS: list[tuple[str, str]] = [
                                           'branch:to:model', lpad(n::text, 32, '0') || '.0.4')),
                                   'updated_channels', jsonb_build_array('messages')),
                jsonb_build_object('source', 'loop', 'step', n, 'parents', '{{}}'::jsonb)
-          FROM generate_series(%(lo)s::int, %(hi)s::int) i, generate_series(0, %(per_tree)s::int - 1) j,
+          FROM generate_series(%(lo)s::int, %(hi)s::int) i,
+               generate_series(0, %(per_tree)s::int - 1) j,
                generate_series(1, %(checkpoints)s::int) n"""),
     ("checkpoint blobs (the latest checkpoint's messages)", f"""
         INSERT INTO langgraph.checkpoint_blobs (thread_id, checkpoint_ns, channel, version,
@@ -229,7 +234,8 @@ STEPS: list[tuple[str, str]] = [
         SELECT {_sid('i', 'j')}::text, '', 'messages',
                lpad(%(checkpoints)s::int::text, 32, '0') || '.0.5', 'msgpack',
                convert_to(repeat('m', 600), 'UTF8')
-          FROM generate_series(%(lo)s::int, %(hi)s::int) i, generate_series(0, %(per_tree)s::int - 1) j"""),
+          FROM generate_series(%(lo)s::int, %(hi)s::int) i,
+               generate_series(0, %(per_tree)s::int - 1) j"""),
 ]
 
 
@@ -252,9 +258,12 @@ def generate(url: str, factor: float) -> tuple[Scale, dict[str, Any]]:
     scale = Scale(factor, trees=max(LIVE_EVERY, round(TREES * factor)))
     began = time.perf_counter()
     with psycopg.connect(url, autocommit=True) as conn:
-        ua = conn.execute("INSERT INTO yuxi.users (name) VALUES ('scale-a') RETURNING id").fetchone()[0]
-        ub = conn.execute("INSERT INTO yuxi.users (name) VALUES ('scale-b') RETURNING id").fetchone()[0]
-        app = conn.execute("INSERT INTO yuxi.apps (name) VALUES ('scale') RETURNING id").fetchone()[0]
+        def one(statement: str) -> Any:
+            return conn.execute(statement).fetchone()[0]
+
+        ua = one("INSERT INTO yuxi.users (name) VALUES ('scale-a') RETURNING id")
+        ub = one("INSERT INTO yuxi.users (name) VALUES ('scale-b') RETURNING id")
+        app = one("INSERT INTO yuxi.apps (name) VALUES ('scale') RETURNING id")
         agents = {}
         for name, user in (("a", ua), ("b", ub)):
             agents[name] = conn.execute(
