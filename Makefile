@@ -7,11 +7,11 @@ STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup system-packages run test bench db-init worker serve clean
+.PHONY: help setup system-packages run test bench bench-scale bench-peers bench-storage bench-all db-init worker serve clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) \
-		| awk 'BEGIN {FS = ":.*## "}; {printf "  %-10s %s\n", $$1, $$2}'
+		| awk 'BEGIN {FS = ":.*## "}; {printf "  %-13s %s\n", $$1, $$2}'
 
 # Reinstall only when pyproject.toml changed since the last install.
 $(STAMP): pyproject.toml
@@ -54,8 +54,25 @@ run: setup ## set up the database (embedded if none) and run the API and a worke
 test: setup ## run the tests (PYTEST_ARGS="-k name" to select)
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
-bench: setup ## run the benchmarks
+bench: setup ## run the benchmarks (the headline: system vs direct graph)
 	$(BIN)/python -m benchmarks.run
+
+bench-scale: setup ## queries at scale: 10k and 100k sessions, plans, p50/p99 (~2-4 min)
+	$(BIN)/python -m benchmarks.scale $(BENCH_ARGS)
+
+# The peer system (DBOS Transact, from PyPI) is the optional `bench` extra.
+BENCH_STAMP := $(VENV)/.installed-bench
+$(BENCH_STAMP): pyproject.toml $(STAMP)
+	$(BIN)/pip install -q -e '.[test,bench]'
+	@touch $@
+
+bench-peers: setup $(BENCH_STAMP) ## the peers' workload through Yuxi and through DBOS 3.4 (~1 min)
+	$(BIN)/python -m benchmarks.peers $(BENCH_ARGS)
+
+bench-storage: setup ## bytes per turn of a 1,000-turn session (~2.5-3 min)
+	$(BIN)/python -m benchmarks.storage $(BENCH_ARGS)
+
+bench-all: bench bench-scale bench-peers bench-storage ## every benchmark, one after the other (~10 min)
 
 db-init: setup ## create the database of YUXI_DATABASE_URL and install the schema
 	$(BIN)/yuxi db init

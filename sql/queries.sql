@@ -66,29 +66,17 @@ JOIN yuxi.session_status_v v ON v.session_id = s.id
 WHERE s.id = %(id)s AND s.user_id = %(user_id)s AND s.app_id = %(app_id)s;
 
 -- name: list_root_sessions
--- The first page. Later pages are list_root_sessions_after: one statement
--- with an optional keyset condition ("cursor IS NULL OR ...") gets a generic
--- plan (psycopg prepares repeated statements) that cannot seek the index and
--- filters every newer row instead: 37 ms at 50k rows deep, against 0.85 ms.
-SELECT s.id, s.tree_id, s.parent_id, s.name, s.path, s.title, v.status, s.agent_id,
-       s.config->>'model' AS model, s.config->>'approval_mode' AS approval_mode,
-       s.created_at, v.current_turn_id, v.queue_length, v.queue_paused
-FROM yuxi.sessions s
-JOIN yuxi.session_status_v v ON v.session_id = s.id
-WHERE s.user_id = %(user_id)s AND s.app_id = %(app_id)s AND s.parent_id IS NULL
-ORDER BY s.created_at DESC, s.id DESC
-LIMIT %(limit)s;
+-- The first page. Later pages are list_root_sessions_after, whose keyset
+-- condition is in a statement of its own: one statement with an optional
+-- condition ("cursor IS NULL OR ...") gets a generic plan that cannot seek
+-- the index and filters every newer row instead (37 ms at 50k rows deep,
+-- against 0.85 ms). Both run in yuxi.list_root_sessions_v1, with generic
+-- plans (a custom plan was re-planned at every call: see the function).
+SELECT * FROM yuxi.list_root_sessions_v1(%(user_id)s, %(app_id)s, %(limit)s::integer);
 
 -- name: list_root_sessions_after
-SELECT s.id, s.tree_id, s.parent_id, s.name, s.path, s.title, v.status, s.agent_id,
-       s.config->>'model' AS model, s.config->>'approval_mode' AS approval_mode,
-       s.created_at, v.current_turn_id, v.queue_length, v.queue_paused
-FROM yuxi.sessions s
-JOIN yuxi.session_status_v v ON v.session_id = s.id
-WHERE s.user_id = %(user_id)s AND s.app_id = %(app_id)s AND s.parent_id IS NULL
-  AND (s.created_at, s.id) < (%(after_created)s::timestamptz, %(after_id)s::uuid)
-ORDER BY s.created_at DESC, s.id DESC
-LIMIT %(limit)s;
+SELECT * FROM yuxi.list_root_sessions_v1(%(user_id)s, %(app_id)s, %(limit)s::integer,
+                                         %(after_created)s::timestamptz, %(after_id)s::uuid);
 
 -- Inputs and turns ---------------------------------------------------------
 
