@@ -45,8 +45,11 @@ def _drop_stale_test_databases(url: str, prefix: str) -> None:
             try:
                 os.kill(pid, 0)
             except ProcessLookupError:
+                ident = psycopg.sql.Identifier(name)
+                # A template (pytest-postgresql's) cannot be dropped as such.
+                conn.execute(psycopg.sql.SQL("ALTER DATABASE {} IS_TEMPLATE false").format(ident))
                 conn.execute(psycopg.sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-                    psycopg.sql.Identifier(name)))
+                    ident))
             except PermissionError:
                 pass
 

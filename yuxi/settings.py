@@ -26,6 +26,22 @@ class Settings(msgspec.Struct, frozen=True):
     worker_concurrency: int = 16
     # Where tree workdirs and sandboxes live (shared by workers of one host).
     data_dir: str = ".yuxi/data"
+    # Runs of one turn that a database outage (a connection error inside the
+    # run) may end before the turn fails for good; not counted in
+    # max_run_attempts.
+    max_infra_retries: int = 20
+    # Longest request body the API reads (bytes); a longer one is 413.
+    max_body_bytes: int = 10_000_000
+    # Longest input content (characters); a longer one is 422. At most
+    # yuxi.api.schemas.CONTENT_MAX_CHARS.
+    max_content_chars: int = 200_000
+    # Seconds an API request waits for a database connection before it
+    # answers 503 database_unavailable (with Retry-After).
+    db_wait_seconds: float = 3.0
+    # Events an SSE subscriber may be behind the newest event of its tree
+    # (read but not yet sent) before it is closed with a comment telling it
+    # to resume from its last id.
+    sse_max_lag_events: int = 2000
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -43,6 +59,11 @@ class Settings(msgspec.Struct, frozen=True):
                 sse_keepalive_seconds=float(env.get("YUXI_SSE_KEEPALIVE_SECONDS", "15")),
                 worker_concurrency=int(env.get("YUXI_WORKER_CONCURRENCY", "16")),
                 data_dir=env.get("YUXI_DATA_DIR", ".yuxi/data"),
+                max_infra_retries=int(env.get("YUXI_MAX_INFRA_RETRIES", "20")),
+                max_body_bytes=int(env.get("YUXI_MAX_BODY_BYTES", "10000000")),
+                max_content_chars=int(env.get("YUXI_MAX_CONTENT_CHARS", "200000")),
+                db_wait_seconds=float(env.get("YUXI_DB_WAIT_SECONDS", "3")),
+                sse_max_lag_events=int(env.get("YUXI_SSE_MAX_LAG_EVENTS", "2000")),
             )
         except ValueError as exc:
             raise SystemExit(f"yuxi: invalid setting: {exc}") from None

@@ -29,8 +29,11 @@ def create_app(settings: Settings | None = None) -> Litestar:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
-        pool = db.app_pool(settings.database_url)
-        checkpoint_pool = db.checkpoint_pool(settings.database_url, max_size=4)
+        # A request waits at most db_wait_seconds for a connection, then
+        # answers 503 database_unavailable (yuxi.api.errors).
+        pool = db.app_pool(settings.database_url, timeout=settings.db_wait_seconds)
+        checkpoint_pool = db.checkpoint_pool(settings.database_url, max_size=4,
+                                             timeout=settings.db_wait_seconds)
         hub = EventHub(settings.database_url)
         await pool.open()
         await checkpoint_pool.open()
@@ -56,6 +59,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
         dependencies={"caller": Provide(provide_scope)},
         exception_handlers=errors.HANDLERS,
         lifespan=[lifespan],
+        request_max_body_size=settings.max_body_bytes,
         template_config=TemplateConfig(directory=WEB_DIR / "templates",
                                        engine=JinjaTemplateEngine),
         openapi_config=OpenAPIConfig(title="Yuxi sessions", version=__version__, path="/schema"),

@@ -6,12 +6,19 @@ Every error body is `{"code": <machine-readable>, "message": <text>, "errors":
 
 from __future__ import annotations
 
+import logging
 import re
 
+import psycopg
 from litestar import MediaType, Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 
 from yuxi import errors
+
+log = logging.getLogger(__name__)
+
+# Seconds a client should wait before retrying a 503 database_unavailable.
+RETRY_AFTER_SECONDS = 2
 
 STATUS: dict[type[errors.YuxiError], int] = {
     errors.NotFound: 404,
@@ -24,15 +31,25 @@ STATUS: dict[type[errors.YuxiError], int] = {
 }
 
 HTTP_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
-              405: "method_not_allowed", 409: "conflict", 422: "validation_error",
-              429: "too_many_requests", 500: "internal_error", 503: "unavailable"}
+              405: "method_not_allowed", 406: "not_acceptable", 409: "conflict",
+              413: "payload_too_large", 415: "unsupported_media_type",
+              422: "validation_error", 429: "too_many_requests", 500: "internal_error",
+              503: "unavailable"}
 
 
 def _body(code: str, message: str, field_errors: list | None = None) -> dict:
     return {"code": code, "message": message, "errors": field_errors or []}
 
 
+def _unavailable(message: str) -> Response:
+    return Response(_body("database_unavailable", message), status_code=503,
+                    media_type=MediaType.JSON,
+                    headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+
 def domain_error(_: Request, exc: errors.YuxiError) -> Response:
+    if isinstance(exc, errors.DatabaseUnavailable):
+        return _unavailable(exc.message)
     status = next((s for cls, s in STATUS.items() if isinstance(exc, cls)), 500)
     return Response(_body(exc.code, exc.message, getattr(exc, "errors", None)),
                     status_code=status, media_type=MediaType.JSON)
@@ -67,8 +84,31 @@ def http_error(_: Request, exc: HTTPException) -> Response:
                     headers=exc.headers)
 
 
+def database_error(request: Request, exc: psycopg.Error) -> Response:
+    """A lost or refused database connection (a restart, a failover, an
+    outage, no free pooled connection in time) is 503, the client retries;
+    any other database error is a bug: 500."""
+    if errors.is_connection_error(exc):
+        log.warning("%s %s: database unavailable: %s", request.method, request.url.path,
+                    str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+        return _unavailable("the database is unavailable; retry later")
+    return internal_error(request, exc)
+
+
+def internal_error(request: Request, exc: Exception) -> Response:
+    """Anything unexpected: logged with its traceback, answered in the one
+    error shape without internals."""
+    if errors.is_connection_error(exc):
+        return database_error(request, exc)  # type: ignore[arg-type]
+    log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    return Response(_body("internal_error", "internal server error"), status_code=500,
+                    media_type=MediaType.JSON)
+
+
 HANDLERS = {
     errors.YuxiError: domain_error,
     ValidationException: validation_error,
     HTTPException: http_error,
+    psycopg.Error: database_error,
+    Exception: internal_error,
 }
