@@ -90,6 +90,11 @@ set_json_dumps(json_dumps, _AdaptContext())  # type: ignore[arg-type]
 # Seconds a new connection may take (a server that does not answer is an
 # outage, not a hang).
 CONNECT_TIMEOUT = 5
+# psycopg_pool retries a failed connection with an uncapped exponential
+# backoff (1, 2, 4, ... 64 s into a two-minute outage). Giving up after a
+# few seconds caps it: the next request that needs a connection starts a
+# fresh attempt at once, so a pool is back within seconds of its server.
+RECONNECT_TIMEOUT = 4.0
 
 
 def with_search_path(url: str, schema: str) -> str:
@@ -116,6 +121,7 @@ def app_pool(url: str, *, min_size: int = 1, max_size: int = 10,
         min_size=min_size,
         max_size=max_size,
         timeout=timeout,
+        reconnect_timeout=RECONNECT_TIMEOUT,
         kwargs={"autocommit": True, "row_factory": dict_row, "context": ADAPTERS,
                 "connect_timeout": CONNECT_TIMEOUT},
         open=False,
@@ -132,6 +138,7 @@ def checkpoint_pool(url: str, *, min_size: int = 1, max_size: int = 10,
         min_size=min_size,
         max_size=max_size,
         timeout=timeout,
+        reconnect_timeout=RECONNECT_TIMEOUT,
         kwargs={"autocommit": True, "prepare_threshold": 0, "row_factory": dict_row,
                 "context": ADAPTERS, "connect_timeout": CONNECT_TIMEOUT},
         open=False,

@@ -38,10 +38,12 @@ class Settings(msgspec.Struct, frozen=True):
     # Seconds an API request waits for a database connection before it
     # answers 503 database_unavailable (with Retry-After).
     db_wait_seconds: float = 3.0
-    # Events an SSE subscriber may be behind the newest event of its tree
-    # (read but not yet sent) before it is closed with a comment telling it
-    # to resume from its last id.
-    sse_max_lag_events: int = 2000
+    # Events read from the table and not yet sent that one SSE subscriber
+    # may hold (its buffer). A subscriber whose buffer stays full this many
+    # seconds (it reads slower than its tree writes) is closed with a final
+    # comment telling it to resume from its last id.
+    sse_buffer_events: int = 500
+    sse_slow_consumer_seconds: float = 10.0
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -63,7 +65,8 @@ class Settings(msgspec.Struct, frozen=True):
                 max_body_bytes=int(env.get("YUXI_MAX_BODY_BYTES", "10000000")),
                 max_content_chars=int(env.get("YUXI_MAX_CONTENT_CHARS", "200000")),
                 db_wait_seconds=float(env.get("YUXI_DB_WAIT_SECONDS", "3")),
-                sse_max_lag_events=int(env.get("YUXI_SSE_MAX_LAG_EVENTS", "2000")),
+                sse_buffer_events=int(env.get("YUXI_SSE_BUFFER_EVENTS", "500")),
+                sse_slow_consumer_seconds=float(env.get("YUXI_SSE_SLOW_CONSUMER_SECONDS", "10")),
             )
         except ValueError as exc:
             raise SystemExit(f"yuxi: invalid setting: {exc}") from None
