@@ -84,7 +84,8 @@ async def release_idle_sandboxes(context: JobContext, timestamp: int) -> int:
           queueing_lock="recover_runs")
 async def recover_runs(context: JobContext, timestamp: int) -> dict[str, int]:
     executor = await _executor()
-    recovered = await runs.recover_expired(executor.pool, settings.max_run_attempts)
+    recovered = await runs.recover_expired(executor.pool, settings.max_run_attempts,
+                                           settings.max_infra_retries)
     stalled = await app.job_manager.get_stalled_jobs(
         queue="runs", seconds_since_heartbeat=10.0)
     for job in stalled:

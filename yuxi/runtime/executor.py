@@ -21,7 +21,7 @@ from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 from langgraph.types import Command
 from psycopg_pool import AsyncConnectionPool
 
-from yuxi.errors import LeaseLost, YuxiError
+from yuxi.errors import LeaseLost, YuxiError, is_connection_error
 from yuxi.runtime.graph import build_graph
 from yuxi.runtime.models import build_chat_model
 from yuxi.runtime.saver import checkpoint_connection
@@ -245,6 +245,10 @@ async def drive(graph: Any, cfg: dict[str, Any], run: dict[str, Any],
 # for a bounded time while other sessions' jobs wait.
 MAX_CONTINUED_TURNS = 8
 
+# How long a worker tries to report that a run was cut off by the database
+# (an outage of up to two minutes, and some).
+INFRA_REPORT_SECONDS = 180.0
+
 Next = tuple[dict[str, Any], uuid.UUID]  # a leased next run and its token
 
 
@@ -305,6 +309,11 @@ class RunExecutor:
             except Exception as exc:
                 if isinstance(exc, psycopg.Error) and exc.sqlstate == "YX003":
                     return "lease_lost", None  # a checkpoint write met the fence
+                if is_connection_error(exc):
+                    # Not the model's fault: the turn goes on from its last
+                    # checkpoint in a new run (recover_run_v1).
+                    await self._report_infra_fault(run_id, token, exc)
+                    return "infra_fault", None
                 log.info("run %s failed: %s", run_id, exc)
                 error = (f"{exc.code}: {exc.message}" if isinstance(exc, YuxiError)
                          else f"{type(exc).__name__}: {exc}")
@@ -315,6 +324,31 @@ class RunExecutor:
         finally:
             for task in (work, keeper):
                 task.cancel()
+
+    async def _report_infra_fault(self, run_id: uuid.UUID, token: uuid.UUID,
+                                  exc: BaseException) -> None:
+        """A connection-level error cut the run off: it is left to its lease
+        and marked, once the database answers again, as an infrastructure
+        fault (its lease expires at once; recovery retries it without using
+        up an attempt). Tried with backoff for up to INFRA_REPORT_SECONDS;
+        if the report never lands, the lease expires all the same."""
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        log.warning("run %s: database connection lost (%s); left to its lease as an "
+                    "infrastructure fault", run_id, reason)
+        delay, deadline = 0.2, asyncio.get_running_loop().time() + INFRA_REPORT_SECONDS
+        while True:
+            try:
+                await runs.report_infra_fault(self.pool, run_id, token,
+                                              f"{type(exc).__name__}: {reason}")
+                return
+            except Exception as again:
+                if not is_connection_error(again) or \
+                        asyncio.get_running_loop().time() + delay > deadline:
+                    log.warning("run %s: could not report the infrastructure fault: %s",
+                                run_id, again)
+                    return
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
 
     async def _guard(self, turn_id: uuid.UUID) -> None:
         if await runs.cancel_requested(self.pool, turn_id):
