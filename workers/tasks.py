@@ -41,6 +41,15 @@ async def _executor() -> RunExecutor:
     return _context["executor"]  # type: ignore[return-value]
 
 
+async def close_executor() -> None:
+    """Close this process's pools (the worker is stopping)."""
+    async with _context_lock:
+        executor = _context.pop("executor", None)
+    if executor is not None:
+        await executor.pool.close()
+        await executor.checkpoint_pool.close()
+
+
 @app.task(name="execute_run", queue="runs")
 async def execute_run(run_id: str) -> str:
     executor = await _executor()

@@ -123,3 +123,98 @@ async def test_api_is_503_during_an_outage_and_sse_catches_up(private_pg, outage
     seqs = stream.seqs
     assert seqs == list(range(1, len(seqs) + 1)), seqs  # gap-free, no duplicate
     assert len(seqs) > seen_before
+
+
+SLOW_SCRIPT = {"default": [
+    {"call": [{"tool": "echo", "args": {"text": "echo of {{ input }}"}}]},
+    {"say": "done: {{ last.text }}", "delay_ms": 800},
+]}
+
+
+def _wait_sync(probe, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = probe()
+        except Exception as exc:  # the database may still be starting
+            last = exc
+        else:
+            if last:
+                return last
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
+
+
+async def test_workers_survive_a_database_restart_and_no_turn_fails(private_pg, outage_db,
+                                                                    _procs, tmp_path):
+    """The issue's scenario: two worker processes, 24 queued turns over 8
+    sessions, the server restarts (fast shutdown, 57P01 for every backend).
+    No worker exits, no turn fails, no run stays running past its lease."""
+    from tests.e2e.conftest import Proc
+    from tests.e2e.helpers import Db
+    from yuxi.cli import worker_command
+
+    url, env = outage_db
+    pool = await _direct_pool(url)
+    try:
+        _, scope = await accounts.create_key(pool, "alice", "app1")
+        agent = await accounts.create_agent(pool, scope, "slow", {
+            "model": "replay", "replay": SLOW_SCRIPT, "tools": ["echo"]})
+        turn_ids = []
+        for i in range(8):
+            session = await sessions.create_session(pool, scope, agent_id=agent.id,
+                                                    default_model="replay")
+            for j in range(3):
+                receipt = await sessions.receive_input(pool, scope, session.id,
+                                                       content=f"s{i} t{j}", mode="queue",
+                                                       by_user=True)
+                turn_ids.append(str(receipt.turn_id))
+    finally:
+        await pool.close()
+    workers = [Proc(f"worker-{i}", worker_command([]), env, tmp_path) for i in range(2)]
+    _procs.extend(workers)
+
+    pg = Db(url)
+    try:
+        _wait_sync(lambda: pg.scalar("SELECT count(*) FROM yuxi.turns WHERE status = "
+                                     "'completed'") >= 2, 60, "turns to complete")
+        _wait_sync(lambda: pg.scalar("SELECT count(*) FROM yuxi.runs WHERE status = "
+                                     "'running'") >= 1, 30, "runs in flight")
+    finally:
+        pg.close()
+    private_pg.restart()
+
+    def all_ended():
+        with _Closing(Db(url)) as db_:
+            counts = {r["status"]: r["n"] for r in db_.rows(
+                "SELECT status, count(*) AS n FROM yuxi.turns GROUP BY status")}
+            done = sum(counts.get(s, 0) for s in ("completed", "failed", "cancelled"))
+            return counts if done == len(turn_ids) else None
+    counts = _wait_sync(all_ended, 120, "every turn to end")
+    for worker in workers:
+        assert worker.popen.poll() is None, f"{worker.name} exited:\n{worker.log()[-3000:]}"
+    assert counts == {"completed": 24}, counts
+    db_ = Db(url)
+    try:
+        stuck = db_.scalar("SELECT count(*) FROM yuxi.runs WHERE status = 'running'")
+        assert stuck == 0
+        failed_runs = db_.rows("SELECT error FROM yuxi.runs WHERE status = 'failed'")
+        # Runs cut off by the restart were retried as infrastructure faults.
+        assert failed_runs and all("database connection lost" in r["error"]
+                                   for r in failed_runs), failed_runs
+        tool_calls = db_.scalar("SELECT count(*) FROM yuxi.events WHERE type = 'tool.started'")
+        assert tool_calls == 24
+    finally:
+        db_.close()
+
+
+class _Closing:
+    def __init__(self, thing) -> None:
+        self.thing = thing
+
+    def __enter__(self):
+        return self.thing
+
+    def __exit__(self, *exc) -> None:
+        self.thing.close()
