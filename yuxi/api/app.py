@@ -50,8 +50,9 @@ def create_app(settings: Settings | None = None) -> Litestar:
 
     return Litestar(
         route_handlers=[
-            routes.AgentController, routes.SessionController, routes.InputController,
-            routes.TurnController, events.stream_events, health.healthz, health.readyz,
+            *errors.document_errors([
+                routes.AgentController, routes.SessionController, routes.InputController,
+                routes.TurnController, events.stream_events, health.healthz, health.readyz]),
             health.status_page,
             create_static_files_router(path="/static", directories=[WEB_DIR / "static"],
                                        include_in_schema=False),
