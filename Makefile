@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup run test bench db-init worker serve clean
+.PHONY: help setup run test bench chaos db-init worker serve clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) \
@@ -29,6 +29,9 @@ test: setup ## run the tests (PYTEST_ARGS="-k name" to select)
 
 bench: setup ## run the benchmarks
 	$(BIN)/python -m benchmarks.run
+
+chaos: setup ## kill workers and APIs, restart PostgreSQL, terminate backends during a fan-out; report losses
+	$(BIN)/python -m benchmarks.chaos
 
 db-init: setup ## create the database of YUXI_DATABASE_URL and install the schema
 	$(BIN)/yuxi db init
