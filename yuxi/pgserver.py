@@ -225,6 +225,8 @@ class PrivateServer:
         except Exception:
             pass
         shutil.rmtree(self.data_dir, ignore_errors=True)
+        if self.data_dir.parent.name.startswith("yuxi-pg-"):  # new_private_server's
+            shutil.rmtree(self.data_dir.parent, ignore_errors=True)
 
 
 def new_private_server() -> PrivateServer:
