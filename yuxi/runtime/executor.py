@@ -314,7 +314,7 @@ class RunExecutor:
                     # checkpoint in a new run (recover_run_v1).
                     await self._report_infra_fault(run_id, token, exc)
                     return "infra_fault", None
-                log.info("run %s failed: %s", run_id, exc)
+                log.warning("run %s failed: %s", run_id, exc, exc_info=exc)
                 error = (f"{exc.code}: {exc.message}" if isinstance(exc, YuxiError)
                          else f"{type(exc).__name__}: {exc}")
                 await runs.fail(self.pool, run_id, token, error)
