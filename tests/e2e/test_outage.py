@@ -119,8 +119,11 @@ async def test_api_is_503_during_an_outage_and_sse_catches_up(private_pg, outage
             response = await c.get(f"/api/sessions/{sid}")
             return response.status_code == 200
         await wait_for(serving, 15, "the API to serve again")
-        ready = (await anon.get("/api/readyz")).json()
-        assert ready["database"] is True and ready["listener"] is True, ready
+        async def listening():
+            ready = (await anon.get("/api/readyz")).json()
+            return ready["database"] is True and ready["listener"] is True
+        # The hub reconnects with backoff (at most 5 s between attempts).
+        await wait_for(listening, 15, "the event listener to reconnect")
 
     seqs = stream.seqs
     assert seqs == list(range(1, len(seqs) + 1)), seqs  # gap-free, no duplicate
