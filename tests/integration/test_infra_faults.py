@@ -148,3 +148,50 @@ async def test_report_is_fenced_by_the_lease_token(pool, alice):
 ])
 def test_connection_errors_are_recognized(exc, expected):
     assert is_connection_error(exc) is expected
+
+
+class _CutSaver:
+    """LangGraph's Postgres saver whose connection is "cut" at its second
+    checkpoint write: the first step's task writes are saved, its checkpoint
+    is not (what a database restart between the two does)."""
+
+    @staticmethod
+    def make(conn):
+        from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
+
+        class Cut(AsyncPostgresSaver):
+            puts = 0
+
+            async def aput(self, *args, **kwargs):
+                Cut.puts += 1
+                if Cut.puts == 2:
+                    raise psycopg.OperationalError("consuming input failed: server closed "
+                                                   "the connection unexpectedly")
+                return await super().aput(*args, **kwargs)
+
+        return Cut(conn)
+
+
+async def test_a_run_cut_between_a_steps_writes_and_its_checkpoint_goes_on(
+        pool, checkpoint_pool, alice):
+    """The retry must not take the live view of saved task writes (here: the
+    input, with no step checkpoint after it) for the end of the turn."""
+    from tests.integration.helpers import executor, fenced_saver, say_agent
+    from yuxi.runtime.executor import drive
+
+    session = await new_session(pool, alice[1], say_agent())
+    await sessions.receive_input(pool, alice[1], session.id, content="hi")
+    (run_id,) = await runs_with_status(pool, "ready")
+    token = uuid.uuid4()
+    run = await runs.start_run(pool, run_id, token, 30)
+    ex = executor(pool, checkpoint_pool)
+    async with fenced_saver(checkpoint_pool, run_id, token) as saver:
+        graph, cfg = ex._graph(run, token, _CutSaver.make(saver.conn))
+        with pytest.raises(psycopg.OperationalError):
+            await drive(graph, cfg, run)
+        retry = {**run, "attempt": 2}
+        graph, cfg = ex._graph(retry, token, saver)
+        state = await graph.aget_state(cfg)
+        assert not state.next and state.tasks, state  # the situation under test
+        answer, _ = await drive(graph, cfg, retry)
+    assert answer.text == "echo: hi"

@@ -227,7 +227,13 @@ async def drive(graph: Any, cfg: dict[str, Any], run: dict[str, Any],
             else:
                 command = Command(resume=resume or {"reason": "retry"})
             values = await graph.ainvoke(command, cfg, durability="sync")
-        elif state.next:
+        elif state.next or state.tasks:
+            # `tasks` without `next`: a step's tasks finished and their writes
+            # are saved, but the step's checkpoint was not (the run was cut
+            # off in between, e.g. by a database restart). The live state
+            # shows those writes (the input, a model answer with tool calls),
+            # yet the graph has not gone on from them: go on, never take
+            # that view for the end of the turn.
             values = await graph.ainvoke(None, cfg, durability="sync")
         elif extra:
             values = await graph.ainvoke({"messages": list(extra)}, cfg, durability="sync")
