@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup system-packages run test bench bench-scale bench-peers bench-storage bench-all db-init worker serve clean
+.PHONY: help setup system-packages run test bench bench-scale bench-peers bench-storage bench-all chaos db-init worker serve clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) \
@@ -73,6 +73,9 @@ bench-storage: setup ## bytes per turn of a 1,000-turn session (~2.5-3 min)
 	$(BIN)/python -m benchmarks.storage $(BENCH_ARGS)
 
 bench-all: bench bench-scale bench-peers bench-storage ## every benchmark, one after the other (~10 min)
+
+chaos: setup ## kill workers and APIs, restart PostgreSQL, terminate backends during a fan-out; report losses
+	$(BIN)/python -m benchmarks.chaos
 
 db-init: setup ## create the database of YUXI_DATABASE_URL and install the schema
 	$(BIN)/yuxi db init

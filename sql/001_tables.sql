@@ -200,10 +200,17 @@ CREATE TABLE yuxi.runs (
     user_id uuid NOT NULL,
     app_id uuid NOT NULL,
     attempt integer NOT NULL DEFAULT 1,
+    -- Runs before this one in its turn's retry chain that a database
+    -- connection fault ended (infra_error); attempt - infra_retries is what
+    -- crashes and lost leases used up (YUXI_MAX_RUN_ATTEMPTS).
+    infra_retries integer NOT NULL DEFAULT 0,
     status text NOT NULL DEFAULT 'pending',
     config jsonb NOT NULL,
     lease_token uuid,
     lease_expires_at timestamptz,
+    -- Set (fenced) by the worker whose run met a connection-level error: the
+    -- run was cut off by an outage, not failed by its model or a tool.
+    infra_error text,
     output jsonb,
     error text,
     -- Token usage of the run's model calls (add_run_usage_v1).
@@ -220,6 +227,8 @@ CREATE TABLE yuxi.runs (
     CONSTRAINT runs_turn_id_key UNIQUE (turn_id, id),
     CONSTRAINT runs_id_tree_key UNIQUE (id, tree_id),
     CONSTRAINT runs_attempt_positive CHECK (attempt >= 1),
+    CONSTRAINT runs_infra_retries_in_attempts CHECK (
+        infra_retries >= 0 AND infra_retries < attempt),
     CONSTRAINT runs_status_known CHECK (status IN (
         'pending', 'ready', 'running', 'completed', 'suspended', 'failed', 'cancelled')),
     CONSTRAINT runs_running_has_lease CHECK (

@@ -282,17 +282,41 @@ BEGIN
 END;
 $$;
 
--- Recover a run whose lease expired (its worker died or hung): the run fails
--- with the reason; the turn continues in a new run that inherits the slot and
--- resumes from the last checkpoint, up to p_max_attempts runs; past that the
--- turn fails explicitly. Returns the new run's id, or NULL when the run was
--- not recoverable (lease still valid, already ended) or the turn gave up.
-CREATE FUNCTION yuxi.recover_run_v1(p_run uuid, p_max_attempts integer) RETURNS uuid
+-- A worker whose run met a connection-level error (the database restarted,
+-- failed over, went away, terminated its backend) reports it once it reaches
+-- the database again: fenced by the lease token, the run keeps its status
+-- and its lease expires now, so the next recovery sweep continues the turn
+-- as an infrastructure retry (recover_run_v1). False when the lease is not
+-- held any more (the run ended or was recovered meanwhile).
+CREATE FUNCTION yuxi.report_run_infra_fault_v1(p_run uuid, p_token uuid, p_error text)
+    RETURNS boolean
+    LANGUAGE plpgsql AS $$
+BEGIN
+    UPDATE yuxi.runs
+       SET infra_error = left(p_error, 2000),
+           lease_expires_at = least(lease_expires_at, clock_timestamp())
+     WHERE id = p_run AND lease_token = p_token AND status = 'running';
+    RETURN FOUND;
+END;
+$$;
+
+-- Recover a run whose lease expired (its worker died or hung, or its
+-- connection to the database was cut): the run fails with the reason; the
+-- turn continues in a new run that inherits the slot and resumes from the
+-- last checkpoint. A run cut off by the database (its worker reported a
+-- connection fault, or the server restarted while it ran) is an
+-- infrastructure retry, bounded by p_max_infra_retries; any other lost
+-- lease uses up one of p_max_attempts. Past its bound the turn fails
+-- explicitly. Returns the new run's id, or NULL when the run was not
+-- recoverable (lease still valid, already ended) or the turn gave up.
+CREATE FUNCTION yuxi.recover_run_v1(p_run uuid, p_max_attempts integer,
+                                    p_max_infra_retries integer DEFAULT 20) RETURNS uuid
     LANGUAGE plpgsql AS $$
 DECLARE
     v_run yuxi.runs;
     v_new uuid;
     v_error text;
+    v_infra boolean;
 BEGIN
     SELECT * INTO v_run FROM yuxi.runs WHERE id = p_run;
     IF NOT FOUND THEN
@@ -303,8 +327,16 @@ BEGIN
     IF v_run.status <> 'running' OR v_run.lease_expires_at > clock_timestamp() THEN
         RETURN NULL;
     END IF;
-    v_error := format('lease expired at %s (attempt %s): the worker stopped heartbeating',
-                      v_run.lease_expires_at, v_run.attempt);
+    v_infra := v_run.infra_error IS NOT NULL
+               OR pg_postmaster_start_time() > v_run.started_at;
+    IF v_infra THEN
+        v_error := format('database connection lost (infrastructure retry %s of %s): %s',
+                          v_run.infra_retries + 1, p_max_infra_retries,
+                          coalesce(v_run.infra_error, 'the database server restarted'));
+    ELSE
+        v_error := format('lease expired at %s (attempt %s): the worker stopped heartbeating',
+                          v_run.lease_expires_at, v_run.attempt - v_run.infra_retries);
+    END IF;
     UPDATE yuxi.runs SET status = 'failed', error = v_error, finished_at = now()
      WHERE id = p_run;
     IF EXISTS (SELECT 1 FROM yuxi.turns
@@ -316,24 +348,33 @@ BEGIN
         PERFORM yuxi.enter_cancelling_v1(v_run.turn_id);
         RETURN NULL;
     END IF;
-    IF v_run.attempt < p_max_attempts THEN
+    IF (v_infra AND v_run.infra_retries < p_max_infra_retries)
+       OR (NOT v_infra AND v_run.attempt - v_run.infra_retries < p_max_attempts) THEN
         INSERT INTO yuxi.runs (turn_id, session_id, tree_id, user_id, app_id, attempt,
-                               status, config)
+                               infra_retries, status, config)
         VALUES (v_run.turn_id, v_run.session_id, v_run.tree_id, v_run.user_id, v_run.app_id,
-                v_run.attempt + 1, 'ready', v_run.config)
+                v_run.attempt + 1, v_run.infra_retries + v_infra::int, 'ready', v_run.config)
         RETURNING id INTO v_new;
         -- The new run inherits the slot: the turn never re-queues behind others.
         UPDATE yuxi.slot_claims SET run_id = v_new, claimed_at = now() WHERE run_id = p_run;
         PERFORM yuxi.defer_run_job_v1(v_new);
         PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
                                    'run.failed',
-                                   jsonb_build_object('error', v_error, 'retry_run_id', v_new));
+                                   jsonb_build_object('error', v_error, 'retry_run_id', v_new,
+                                                      'infrastructure', v_infra));
         RETURN v_new;
     END IF;
     PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
                                'run.failed', jsonb_build_object('error', v_error));
-    PERFORM yuxi.finish_turn_v1(
-        p_run, 'failed', format('gave up after %s attempts: %s', v_run.attempt, v_error));
+    IF v_infra THEN
+        PERFORM yuxi.finish_turn_v1(
+            p_run, 'failed', format('gave up after %s infrastructure retries: %s',
+                                    v_run.infra_retries, v_error));
+    ELSE
+        PERFORM yuxi.finish_turn_v1(
+            p_run, 'failed', format('gave up after %s attempts: %s',
+                                    v_run.attempt - v_run.infra_retries, v_error));
+    END IF;
     RETURN NULL;
 END;
 $$;

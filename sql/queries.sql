@@ -167,7 +167,10 @@ ORDER BY lease_expires_at
 LIMIT 100;
 
 -- name: recover_run
-SELECT yuxi.recover_run_v1(%(run_id)s, %(max_attempts)s) AS new_run_id;
+SELECT yuxi.recover_run_v1(%(run_id)s, %(max_attempts)s, %(max_infra_retries)s) AS new_run_id;
+
+-- name: report_run_infra_fault
+SELECT yuxi.report_run_infra_fault_v1(%(run_id)s, %(token)s, %(error)s) AS reported;
 
 -- name: redeliver_ready_runs
 SELECT yuxi.redeliver_ready_runs_v1(%(older_than)s) AS run_id;

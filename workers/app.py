@@ -1,5 +1,7 @@
-"""The Procrastinate app of Yuxi sessions: `procrastinate --app=workers.app.app worker`
-(or `yuxi worker`). Its tables live in their own schema (`procrastinate`)."""
+"""The Procrastinate app of Yuxi sessions, run by `python -m workers.run` (which
+`yuxi worker` supervises; `procrastinate --app=workers.app.app worker` works
+too but exits when the database goes away). Its tables live in their own
+schema (`procrastinate`)."""
 
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ app = procrastinate.App(
         conninfo=db.with_search_path(settings.session_database_url, db.PROCRASTINATE_SCHEMA),
         min_size=1,
         max_size=4,
+        # Reconnect within seconds of the database coming back (yuxi.db).
+        reconnect_timeout=db.RECONNECT_TIMEOUT,
     ),
     import_paths=["workers.tasks"],
     worker_defaults={

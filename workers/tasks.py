@@ -73,6 +73,15 @@ async def host_heartbeat(context: JobContext, timestamp: int) -> None:
     await runs.host_heartbeat(executor.pool, settings.host_id)
 
 
+async def close_executor() -> None:
+    """Close this process's pools (the worker is stopping)."""
+    async with _context_lock:
+        executor = _context.pop("executor", None)
+    if executor is not None:
+        await executor.pool.close()
+        await executor.checkpoint_pool.close()
+
+
 @app.task(name="execute_run", queue="runs")
 async def execute_run(run_id: str) -> str:
     executor = await _executor()
@@ -120,7 +129,8 @@ async def release_idle_sandboxes(context: JobContext, timestamp: int) -> int:
           queueing_lock="recover_runs")
 async def recover_runs(context: JobContext, timestamp: int) -> dict[str, int]:
     executor = await _executor()
-    recovered = await runs.recover_expired(executor.pool, settings.max_run_attempts)
+    recovered = await runs.recover_expired(executor.pool, settings.max_run_attempts,
+                                           settings.max_infra_retries)
     stalled = await app.job_manager.get_stalled_jobs(
         task_name="execute_run", seconds_since_heartbeat=10.0)
     for job in stalled:

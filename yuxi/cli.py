@@ -124,9 +124,10 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
+    """Supervise one worker process (`python -m workers.run`): a worker that
+    crashes is started again with backoff, and the console says so."""
     pgserver.check_server(settings.database_url)
-    argv = worker_command(args.extra)
-    os.execv(argv[0], argv)  # replaces this process: signals reach the worker directly
+    return supervise({"worker": worker_command(args.extra)}, dict(os.environ))
 
 
 def cmd_dev(args: argparse.Namespace, settings: Settings) -> int:
@@ -138,9 +139,10 @@ def cmd_dev(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def worker_command(extra: list[str]) -> list[str]:
-    """`procrastinate --app=workers.app.app worker ...` with this interpreter,
-    so the worker sees the same environment whatever is on PATH."""
-    return [sys.executable, "-m", "procrastinate", f"--app={WORKER_APP}", "worker", *extra]
+    """One worker process (workers/run.py: Procrastinate's worker, started
+    again in-process when the database went away) with this interpreter, so
+    the worker sees the same environment whatever is on PATH."""
+    return [sys.executable, "-m", "workers.run", *extra]
 
 
 # On SIGTERM uvicorn waits for open connections before shutting down; SSE
@@ -291,41 +293,109 @@ async def _prepare_dev(settings: Settings, data_dir: Path):
     return url, server, key, agent.id
 
 
-def _supervise(settings: Settings, url: str, embedded: bool, key: str, agent_id) -> int:
-    """Run the API and one worker until a signal (exit 0) or until either dies
-    (stop the other, exit 1)."""
+# A crashed child is started again after RESTART_BACKOFF_FIRST seconds,
+# doubling up to RESTART_BACKOFF_MAX; a child that ran RESTART_STABLE_SECONDS
+# starts from the first delay again. A child that exits with an error (a
+# status > 0, not a signal) GIVE_UP_AFTER times in a row, each time within
+# RESTART_STABLE_SECONDS, has a fatal problem: the supervisor stops, exit 1.
+RESTART_BACKOFF_FIRST = 1.0
+RESTART_BACKOFF_MAX = 30.0
+RESTART_STABLE_SECONDS = 60.0
+GIVE_UP_AFTER = 5
+
+
+class _Child:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        self.name, self.argv, self.env = name, argv, env
+        self.popen: subprocess.Popen | None = None
+        self.started = 0.0
+        self.restart_at: float | None = None
+        self.backoff = RESTART_BACKOFF_FIRST
+        self.quick_failures = 0
+
+    def start(self) -> None:
+        # Its own session: a terminal Ctrl-C reaches only the supervisor,
+        # and each child gets exactly one SIGTERM (a second signal makes it
+        # abort its work).
+        self.popen = subprocess.Popen(self.argv, env=self.env, start_new_session=True)
+        self.started = time.monotonic()
+        self.restart_at = None
+
+    def check(self) -> bool:
+        """Restart the child when due; False when it keeps failing (give up)."""
+        now = time.monotonic()
+        if self.restart_at is not None:
+            if now >= self.restart_at:
+                print(f"yuxi: starting the {self.name} process again", file=sys.stderr,
+                      flush=True)
+                self.start()
+            return True
+        assert self.popen is not None
+        code = self.popen.poll()
+        if code is None:
+            return True
+        ran = now - self.started
+        if ran >= RESTART_STABLE_SECONDS:
+            self.backoff, self.quick_failures = RESTART_BACKOFF_FIRST, 0
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        if code > 0 and ran < RESTART_STABLE_SECONDS:
+            self.quick_failures += 1
+            if self.quick_failures >= GIVE_UP_AFTER:
+                print(f"yuxi: error: the {self.name} process {how} {self.quick_failures} "
+                      "times in a row; giving up", file=sys.stderr, flush=True)
+                return False
+        print(f"yuxi: the {self.name} process {how}; restarting it in {self.backoff:.0f} s",
+              file=sys.stderr, flush=True)
+        self.restart_at = now + self.backoff
+        self.backoff = min(self.backoff * 2, RESTART_BACKOFF_MAX)
+        return True
+
+
+def supervise(commands: dict[str, list[str]], env: dict[str, str],
+              on_tick=None) -> int:
+    """Run each command as a child until SIGINT/SIGTERM (exit 0); a child
+    that dies is restarted with backoff (said on the console); a child that
+    keeps failing fatally stops everything (exit 1). `on_tick()` runs every
+    0.2 s (the dev banner)."""
     stop_signals: list[int] = []
     previous = {sig: signal.signal(sig, lambda signum, _frame: stop_signals.append(signum))
                 for sig in (signal.SIGINT, signal.SIGTERM)}
-    env = {**os.environ, "YUXI_DATABASE_URL": url}
-    children: dict[str, subprocess.Popen] = {}
+    children = [_Child(name, argv, env) for name, argv in commands.items()]
     try:
-        # Own sessions: a terminal Ctrl-C reaches only us, and each child gets
-        # exactly one SIGTERM (a second signal makes both abort their work).
-        children["API"] = subprocess.Popen(
-            api_command(settings.host, settings.port), env=env, start_new_session=True)
-        children["worker"] = subprocess.Popen(
-            worker_command([]), env=env, start_new_session=True)
-        banner_after = time.monotonic() + 30
-        banner_shown = False
+        for child in children:
+            child.start()
         while not stop_signals:
-            for name, child in children.items():
-                if child.poll() is not None:
-                    print(f"yuxi: error: the {name} process exited with code "
-                          f"{child.returncode}; stopping", file=sys.stderr)
+            for child in children:
+                if not child.check():
                     return 1
-            # Shown once the API listens, so it is not buried in startup logs.
-            if not banner_shown and (_listening(settings.host, settings.port)
-                                     or time.monotonic() > banner_after):
-                print(_banner(settings, url, embedded, key, agent_id), flush=True)
-                banner_shown = True
+            if on_tick is not None:
+                on_tick()
             time.sleep(0.2)
         print("yuxi: stopping", file=sys.stderr, flush=True)
         return 0
     finally:
-        _terminate(list(children.values()))
+        _terminate([c.popen for c in children if c.popen is not None])
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _supervise(settings: Settings, url: str, embedded: bool, key: str, agent_id) -> int:
+    """Run the API and one worker until a signal (exit 0); either one that
+    dies is restarted with backoff."""
+    env = {**os.environ, "YUXI_DATABASE_URL": url}
+    banner_after = time.monotonic() + 30
+    banner_shown = False
+
+    def banner() -> None:
+        nonlocal banner_shown
+        # Shown once the API listens, so it is not buried in startup logs.
+        if not banner_shown and (_listening(settings.host, settings.port)
+                                 or time.monotonic() > banner_after):
+            print(_banner(settings, url, embedded, key, agent_id), flush=True)
+            banner_shown = True
+
+    return supervise({"API": api_command(settings.host, settings.port),
+                      "worker": worker_command([])}, env, on_tick=banner)
 
 
 def _terminate(children: list[subprocess.Popen]) -> None:
@@ -453,8 +523,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
 
     commands.add_parser(
-        "worker", help="run a Procrastinate worker; other arguments (e.g. --concurrency N) "
-        "are passed to `procrastinate worker`",
+        "worker", help="run a worker process (Procrastinate) and restart it with backoff "
+        "if it crashes; --concurrency N overrides YUXI_WORKER_CONCURRENCY",
     ).set_defaults(func=cmd_worker, passes_extra=True)
 
     dev = commands.add_parser(

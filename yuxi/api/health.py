@@ -9,6 +9,7 @@ from litestar.response import Response, Template
 
 from yuxi import __version__, db
 from yuxi.metrics import CONTENT_TYPE_LATEST
+from yuxi.api.errors import RETRY_AFTER_SECONDS
 
 WORKER_FRESH_SECONDS = 30
 
@@ -34,11 +35,17 @@ async def readyz(request: Request) -> Response[dict[str, Any]]:
     except Exception:
         workers, database = 0, False
     ready = database and workers > 0
-    return Response(
-        {"status": "ready" if ready else "not_ready", "database": database, "workers": workers,
-         "listener": request.app.state.hub.connected},
-        status_code=200 if ready else 503,
-    )
+    body: dict[str, Any] = {"status": "ready" if ready else "not_ready", "database": database,
+                            "workers": workers, "listener": request.app.state.hub.connected}
+    headers = {}
+    if not ready:
+        # Also the one error shape (code, message, errors).
+        body.update(code="database_unavailable" if not database else "no_worker",
+                    message="the database is unavailable" if not database
+                    else "no worker has a fresh heartbeat", errors=[])
+        if not database:
+            headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
+    return Response(body, status_code=200 if ready else 503, headers=headers)
 
 
 @get("/metrics", operation_id="metrics", include_in_schema=False)
@@ -63,6 +70,7 @@ async def status_page(request: Request) -> Template:
     except Exception as exc:
         error = str(exc)
     return Template(
+        status_code=200 if error is None else 503,
         template_name="status.html",
         context={"version": __version__, "database_ok": error is None, "error": error,
                  "workers": workers, "counts": counts,

@@ -13,6 +13,7 @@ import msgspec
 from yuxi.api.schemas import (AgentCreate, InputCreate, Page, SessionCreate, SessionUpdate,
                               TurnAnswer)
 from yuxi.api.auth import Caller
+from yuxi.errors import InvalidRequest
 from yuxi.domain import Agent, Input, Receipt, Scope, Session, Turn, TurnResult
 from yuxi.runtime.models import list_models
 from yuxi.services import accounts, conversation, sessions
@@ -77,6 +78,11 @@ class SessionController(Controller):
         self, request: Request, caller: Caller, session_id: FromPath[uuid.UUID], data: JSONBody[InputCreate],
         wait: WaitSeconds = None,
     ) -> Receipt:
+        limit = request.app.state.settings.max_content_chars
+        if len(data.content) > limit:
+            raise InvalidRequest(
+                f"content is longer than {limit} characters",
+                errors=[{"field": "content", "message": f"at most {limit} characters"}])
         receipt = await sessions.receive_input(
             _pool(request), caller, session_id, content=data.content, mode=data.mode,
             model=data.model, approval_mode=data.approval_mode,

@@ -25,7 +25,7 @@ from langgraph.types import Command
 from psycopg_pool import AsyncConnectionPool
 
 from yuxi import db
-from yuxi.errors import LeaseLost, SandboxElsewhere, YuxiError
+from yuxi.errors import LeaseLost, SandboxElsewhere, YuxiError, is_connection_error
 from yuxi.runtime.calls import CallPolicy
 from yuxi.runtime.graph import build_graph
 from yuxi.runtime.live import CallCancelled, CancelWatch, DeltaBatcher
@@ -256,7 +256,13 @@ async def drive(graph: Any, cfg: dict[str, Any], run: dict[str, Any],
             else:
                 command = Command(resume=resume or {"reason": "retry"})
             values = await graph.ainvoke(command, cfg, durability="sync")
-        elif state.next:
+        elif state.next or state.tasks:
+            # `tasks` without `next`: a step's tasks finished and their writes
+            # are saved, but the step's checkpoint was not (the run was cut
+            # off in between, e.g. by a database restart). The live state
+            # shows those writes (the input, a model answer with tool calls),
+            # yet the graph has not gone on from them: go on, never take
+            # that view for the end of the turn.
             values = await graph.ainvoke(None, cfg, durability="sync")
         elif extra:
             values = await graph.ainvoke({"messages": list(extra)}, cfg, durability="sync")
@@ -273,6 +279,10 @@ async def drive(graph: Any, cfg: dict[str, Any], run: dict[str, Any],
 # then leaves the next turn to the queue: a busy session holds one worker slot
 # for a bounded time while other sessions' jobs wait.
 MAX_CONTINUED_TURNS = 8
+
+# How long a worker tries to report that a run was cut off by the database
+# (an outage of up to two minutes, and some).
+INFRA_REPORT_SECONDS = 180.0
 
 Next = tuple[dict[str, Any], uuid.UUID]  # a leased next run and its token
 
@@ -363,7 +373,12 @@ class RunExecutor:
             except Exception as exc:
                 if isinstance(exc, psycopg.Error) and exc.sqlstate == "YX003":
                     return "lease_lost", None  # a checkpoint write met the fence
-                log.info("run %s failed: %s", run_id, exc)
+                if is_connection_error(exc):
+                    # Not the model's fault: the turn goes on from its last
+                    # checkpoint in a new run (recover_run_v1).
+                    await self._report_infra_fault(run_id, token, exc)
+                    return "infra_fault", None
+                log.warning("run %s failed: %s", run_id, exc, exc_info=exc)
                 error = (f"{exc.code}: {exc.message}" if isinstance(exc, YuxiError)
                          else f"{type(exc).__name__}: {exc}")
                 await runs.fail(self.pool, run_id, token, error)
@@ -393,6 +408,31 @@ class RunExecutor:
             return await self._run_turn(
                 run, token, conn, go_on, deltas=deltas,
                 in_flight=lambda call: self.cancels.run(watched, call))
+
+    async def _report_infra_fault(self, run_id: uuid.UUID, token: uuid.UUID,
+                                  exc: BaseException) -> None:
+        """A connection-level error cut the run off: it is left to its lease
+        and marked, once the database answers again, as an infrastructure
+        fault (its lease expires at once; recovery retries it without using
+        up an attempt). Tried with backoff for up to INFRA_REPORT_SECONDS;
+        if the report never lands, the lease expires all the same."""
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        log.warning("run %s: database connection lost (%s); left to its lease as an "
+                    "infrastructure fault", run_id, reason)
+        delay, deadline = 0.2, asyncio.get_running_loop().time() + INFRA_REPORT_SECONDS
+        while True:
+            try:
+                await runs.report_infra_fault(self.pool, run_id, token,
+                                              f"{type(exc).__name__}: {reason}")
+                return
+            except Exception as again:
+                if not is_connection_error(again) or \
+                        asyncio.get_running_loop().time() + delay > deadline:
+                    log.warning("run %s: could not report the infrastructure fault: %s",
+                                run_id, again)
+                    return
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
 
     async def _guard(self, turn_id: uuid.UUID) -> None:
         if await runs.cancel_requested(self.pool, turn_id):

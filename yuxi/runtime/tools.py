@@ -19,7 +19,7 @@ from langgraph.types import interrupt
 from psycopg_pool import AsyncConnectionPool
 
 from yuxi import db
-from yuxi.errors import LeaseLost, YuxiError
+from yuxi.errors import LeaseLost, YuxiError, is_connection_error
 from yuxi.services.resources import Resolved
 
 
@@ -190,8 +190,11 @@ async def call_tool(tools: dict[str, Tool], ctx: ToolContext, name: str,
             result = error_result(exc.code, exc.message)
         except LeaseLost:
             raise
-        except YuxiError as exc:
-            result = error_result(exc.code, exc.message)
-        except Exception as exc:  # a failing tool is the model's problem to handle
-            result = error_result("tool_failed", f"{type(exc).__name__}: {exc}")
+        except Exception as exc:
+            if is_connection_error(exc):
+                raise  # the database is away: an infrastructure fault of the run
+            if isinstance(exc, YuxiError):
+                result = error_result(exc.code, exc.message)
+            else:  # a failing tool is the model's problem to handle
+                result = error_result("tool_failed", f"{type(exc).__name__}: {exc}")
     return msgspec.json.encode(result).decode(), cursors

@@ -157,15 +157,27 @@ async def redeliver_waits(pool: AsyncConnectionPool, grace: dt.timedelta) -> int
         return (await db.fetch_one(conn, "redeliver_waits", {"grace": grace}))["n"]
 
 
-async def recover_expired(pool: AsyncConnectionPool, max_attempts: int) -> list[uuid.UUID]:
+async def recover_expired(pool: AsyncConnectionPool, max_attempts: int,
+                          max_infra_retries: int = 20) -> list[uuid.UUID]:
     """Recover every run whose lease expired, one transaction per run (each
     takes its own tree lock). Returns the runs recovered."""
     async with pool.connection() as conn:
         expired = [r["id"] for r in await db.fetch_all(conn, "expired_runs")]
         for run_id in expired:
             await db.fetch_one(
-                conn, "recover_run", {"run_id": run_id, "max_attempts": max_attempts})
+                conn, "recover_run", {"run_id": run_id, "max_attempts": max_attempts,
+                                      "max_infra_retries": max_infra_retries})
     return expired
+
+
+async def report_infra_fault(pool: AsyncConnectionPool, run_id: uuid.UUID, token: uuid.UUID,
+                             error: str) -> bool:
+    """Report that the run was cut off by a database connection fault (see
+    yuxi.report_run_infra_fault_v1); False when its lease is not held any more."""
+    async with pool.connection() as conn:
+        row = await db.fetch_one(conn, "report_run_infra_fault",
+                                 {"run_id": run_id, "token": token, "error": error})
+    return bool(row["reported"])
 
 
 async def redeliver_ready(pool: AsyncConnectionPool, older_than: dt.timedelta) -> list[uuid.UUID]:

@@ -1,0 +1,76 @@
+"""Slow SSE consumers (issue 12): each subscriber has a bounded buffer; one
+that falls too far behind is closed with a final comment telling it to
+resume from its last id, and resuming from there is gap-free. Memory stays
+bounded with many idle subscribers (the 1,000-subscriber figure is measured
+by benchmarks/sse_memory.py and written in benchmarks/README.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import psutil
+import pytest
+
+from tests.e2e.helpers import client, open_stream, session_with_script
+
+pytestmark = pytest.mark.e2e
+
+BIG = "x" * 50_000
+
+
+def _write_events(pg, tree: str, session: str, n: int) -> None:
+    for _ in range(n):
+        pg.scalar("SELECT yuxi.emit_event_v1(%s, %s, NULL, NULL, 'test.big', "
+                  "jsonb_build_object('blob', %s::text))", (tree, session, BIG))
+
+
+async def test_a_slow_consumer_is_closed_with_its_resume_id(start_api, alice, pg):
+    key, _ = alice
+    api = start_api(YUXI_SSE_BUFFER_EVENTS="4", YUXI_SSE_SLOW_CONSUMER_SECONDS="1")
+    async with client(api, key) as c:
+        session = await session_with_script(c, {"default": [{"say": "ok"}]})
+        sid, tree = session["id"], session["tree_id"]
+        async with open_stream(c, sid, scope="tree") as stream:
+            await stream.read_until(lambda s: len(s.events) >= 1)
+            # ~20 MB while the client reads nothing: socket buffers and the
+            # subscriber's 4-event buffer fill up.
+            await asyncio.to_thread(_write_events, pg, tree, sid, 400)
+            await asyncio.sleep(3)
+            await stream.read_until_closed(timeout=30)
+        last = [c_ for c_ in stream.comments if c_.startswith("too far behind")]
+        assert last, stream.comments[-5:]
+        resume = int(re.search(r"Last-Event-ID: (\d+)", last[-1]).group(1))
+        assert resume == stream.seqs[-1] < 401, (resume, stream.seqs[-3:])
+        assert stream.seqs == list(range(1, resume + 1))
+        # Resuming from there gets the rest, gap-free.
+        async with open_stream(c, sid, scope="tree", last_event_id=resume) as again:
+            await again.read_until(lambda s: s.seqs and s.seqs[-1] == 401, timeout=30)
+        assert again.seqs == list(range(resume + 1, 402))
+
+
+async def test_memory_stays_bounded_with_idle_subscribers(start_api, alice):
+    """200 idle subscribers on one API process cost well under 100 KB each
+    (the reader task, its buffer, the connection); 1,000 are measured by
+    benchmarks/sse_memory.py."""
+    key, _ = alice
+    api = start_api()
+    proc = psutil.Process(start_api.procs[-1].popen.pid)
+    async with client(api, key) as c:
+        session = await session_with_script(c, {"default": [{"say": "ok"}]})
+        before = proc.memory_info().rss
+        import httpx
+        limits = httpx.Limits(max_connections=300)
+        async with httpx.AsyncClient(base_url=api, limits=limits, timeout=30,
+                                     headers={"Authorization": f"Bearer {key}"}) as many:
+            streams = []
+            for _ in range(200):
+                cm = many.stream("GET", f"/api/sessions/{session['id']}/events")
+                streams.append((cm, await cm.__aenter__()))
+            assert all(r.status_code == 200 for _, r in streams)
+            await asyncio.sleep(1)
+            during = proc.memory_info().rss
+            for cm, _ in streams:
+                await cm.__aexit__(None, None, None)
+    per_subscriber = (during - before) / 200
+    assert per_subscriber < 100_000, per_subscriber
