@@ -126,6 +126,9 @@ WHERE t.id = %(id)s AND t.user_id = %(user_id)s AND t.app_id = %(app_id)s;
 
 -- Events -------------------------------------------------------------------
 
+-- name: last_event_seq
+SELECT coalesce(max(seq), 0) AS seq FROM yuxi.events WHERE tree_id = %(tree_id)s;
+
 -- name: events_after
 SELECT seq, type, session_id, turn_id, run_id, data, created_at
 FROM yuxi.events

@@ -85,9 +85,9 @@ class ApiMetrics:
                                      "open SSE streams of this API process",
                                      registry=self.registry)
 
-    async def render(self, pool, hub) -> bytes:
+    async def render(self, pool, feeds) -> bytes:
         await self.database.refresh(pool)
-        self.sse_subscribers.set(hub.subscriber_count())
+        self.sse_subscribers.set(feeds.subscriber_count())
         return generate_latest(self.registry)
 
 

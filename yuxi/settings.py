@@ -97,6 +97,10 @@ class Settings(msgspec.Struct, frozen=True):
     # seconds (it reads slower than its tree writes) is closed with a final
     # comment telling it to resume from its last id.
     sse_buffer_events: int = 500
+    # Events an API process keeps per subscribed tree, read once and shared
+    # by the tree's subscribers (yuxi.api.feed); 0: each subscriber reads the
+    # table itself.
+    sse_feed_events: int = 1000
     sse_slow_consumer_seconds: float = 10.0
 
     @property
@@ -156,6 +160,7 @@ class Settings(msgspec.Struct, frozen=True):
                 max_content_chars=int(env.get("YUXI_MAX_CONTENT_CHARS", "200000")),
                 db_wait_seconds=float(env.get("YUXI_DB_WAIT_SECONDS", "3")),
                 sse_buffer_events=int(env.get("YUXI_SSE_BUFFER_EVENTS", "500")),
+                sse_feed_events=int(env.get("YUXI_SSE_FEED_EVENTS", "1000")),
                 sse_slow_consumer_seconds=float(env.get("YUXI_SSE_SLOW_CONSUMER_SECONDS", "10")),
             )
         except ValueError as exc:

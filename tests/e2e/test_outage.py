@@ -95,7 +95,7 @@ async def test_api_is_503_during_an_outage_and_sse_catches_up(private_pg, outage
                 started = time.monotonic()
                 events = await c.get(f"/api/sessions/{sid}/events")
                 assert events.status_code == 503 and time.monotonic() - started < 5
-                page = await anon.get("/")
+                page = await anon.get("/status")  # the status page (/ is the static web UI)
                 assert page.status_code == 503
             finally:
                 private_pg.start()

@@ -18,6 +18,7 @@ from yuxi import __version__, db
 from yuxi.heap import freeze_startup_heap
 from yuxi.api import errors, events, health, routes, web
 from yuxi.api.auth import KeyCache, provide_scope
+from yuxi.api.feed import Feeds
 from yuxi.api.hub import EventHub
 from yuxi.metrics import ApiMetrics
 from yuxi.runtime.providers import check_configured
@@ -43,6 +44,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
         await checkpoint_pool.open()
         await hub.start()
         app.state.update(settings=settings, pool=pool, checkpoint_pool=checkpoint_pool, hub=hub,
+                         feeds=Feeds(pool, hub, settings.sse_feed_events),
                          key_cache=KeyCache(), metrics=ApiMetrics())
         freeze_startup_heap()
         try:

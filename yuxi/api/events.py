@@ -27,7 +27,7 @@ from litestar import Request, get
 from litestar.params import FromPath, HeaderParameter, QueryParameter
 from litestar.response import ServerSentEvent, ServerSentEventMessage
 
-from yuxi import db
+from yuxi.api.feed import fetch as _fetch
 from yuxi.api.auth import Caller
 from yuxi.domain import Scope
 from yuxi.errors import InvalidRequest, is_connection_error
@@ -68,13 +68,6 @@ async def stream_events(
     return ServerSentEvent(_events(request, str(session.tree_id), only, cursor))
 
 
-async def _fetch(pool, tree_id: str, session_id, after: int, limit: int) -> list[dict]:
-    async with pool.connection() as conn:
-        return await db.fetch_all(
-            conn, "events_after",
-            {"tree_id": tree_id, "after": after, "session_id": session_id, "limit": limit})
-
-
 def _delta_frame(delta: dict) -> ServerSentEventMessage:
     """`message.delta`: no `id:` line, not stored, not replayed."""
     return ServerSentEventMessage(data=msgspec.json.encode({
@@ -101,15 +94,19 @@ class _TooSlow:
 
 
 async def _read(state, tree_id: str, session_id, cursor: int, buffer: asyncio.Queue) -> None:
-    """The reader of one subscriber: reads the tree's events after `cursor`
-    from the table whenever the hub wakes it, into the subscriber's bounded
-    `buffer`. The database away is no error: the hub wakes every subscriber
-    when its LISTEN connection is back, and the reader reads from its cursor
-    on, so the events written meanwhile arrive gap-free and once."""
+    """The reader of one subscriber: whenever the tree's feed (yuxi.api.feed)
+    has read new events, it takes those after `cursor` from the feed's window
+    into the subscriber's bounded `buffer`; behind the window (a replay), it
+    reads the table itself until it reaches it. The database away is no
+    error: the hub wakes every feed when its LISTEN connection is back, and
+    reading goes on from the cursor, so the events written meanwhile arrive
+    gap-free and once."""
     settings = state.settings
     batch = max(1, min(BATCH, settings.sse_buffer_events))
     only = str(session_id) if session_id is not None else None
-    with state.hub.subscribe(tree_id) as wake, state.hub.subscribe_deltas(tree_id, wake) as deltas:
+    mine = asyncio.Event()
+    with state.feeds.subscribe(tree_id, mine) as (feed, wake), \
+            state.hub.subscribe_deltas(tree_id, wake) as deltas:
         while True:
             wake.clear()  # before reading: a NOTIFY during the read wakes us again
             # Deltas first: they were sent before the durable events that
@@ -119,27 +116,34 @@ async def _read(state, tree_id: str, session_id, cursor: int, buffer: asyncio.Qu
                 if only is None or delta.get("session_id") == only:
                     with contextlib.suppress(asyncio.QueueFull):
                         buffer.put_nowait(_delta_frame(delta))
-            try:
-                # Shielded: a client disconnect must not cancel a query
-                # mid-flight (psycopg would discard the pooled connection).
-                rows = await asyncio.shield(_fetch(state.pool, tree_id, session_id, cursor,
-                                                   batch))
-            except Exception as exc:
-                if not is_connection_error(exc):
-                    raise
-                rows = None  # read again when woken (or at the next keepalive)
-            for row in rows or ():
+            rows = feed.after(cursor) if feed is not None else None
+            from_table = rows is None
+            if from_table:
                 try:
-                    await asyncio.wait_for(buffer.put(_frame(row)),
-                                           settings.sse_slow_consumer_seconds)
-                except TimeoutError:
-                    # The buffer stayed full: the client reads slower than
-                    # its tree writes. It resumes from the last id it got.
-                    await buffer.put(_TooSlow(cursor))
-                    return
+                    # Shielded: a client disconnect must not cancel a query
+                    # mid-flight (psycopg would discard the pooled connection).
+                    # With a feed, catching up reads the whole tree (filtered
+                    # here) so the cursor reaches the feed's window.
+                    rows = await asyncio.shield(_fetch(
+                        state.pool, tree_id, session_id if feed is None else None, cursor,
+                        batch))
+                except Exception as exc:
+                    if not is_connection_error(exc):
+                        raise
+                    rows = None  # read again when woken (or at the next keepalive)
+            for row in rows or ():
+                if only is None or str(row["session_id"]) == only:
+                    try:
+                        await asyncio.wait_for(buffer.put(_frame(row)),
+                                               settings.sse_slow_consumer_seconds)
+                    except TimeoutError:
+                        # The buffer stayed full: the client reads slower than
+                        # its tree writes. It resumes from the last id it got.
+                        await buffer.put(_TooSlow(cursor))
+                        return
                 cursor = row["seq"]
-            if rows is not None and len(rows) == batch:
-                continue
+            if from_table and rows and (len(rows) == batch or feed is not None):
+                continue  # more to read, or now see whether the window reaches
             try:
                 await asyncio.wait_for(wake.wait(), timeout=settings.sse_keepalive_seconds)
             except TimeoutError:

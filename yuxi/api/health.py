@@ -53,7 +53,7 @@ async def metrics(request: Request) -> Response[bytes]:
     """Prometheus text format: this process's figures and the database's
     (yuxi.metrics; no key: expose it to your monitoring network only)."""
     state = request.app.state
-    body = await state.metrics.render(state.pool, state.hub)
+    body = await state.metrics.render(state.pool, state.feeds)
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
