@@ -119,7 +119,7 @@ async def test_proc_shows_no_process_of_the_worker(stack):
     output = await stack.run("alice", "cat /proc/[0-9]*/environ 2>/dev/null | tr '\\0' '\\n' "
                                       "| grep -c '^YUXI_DATABASE_URL='; "
                                       # [e]: the probe's own command line does not match
-                                      "grep -l 'procrastinat[e]' /proc/[0-9]*/cmdline 2>/dev/null "
+                                      "grep -lE 'workers[.]ru[n]|procrastinat[e]' /proc/[0-9]*/cmdline 2>/dev/null "
                                       "| wc -l")
     environs, workers = (int(n) for n in output.splitlines()[1:3])
     expect(stack, environs > 0 and workers > 0, output)
