@@ -24,6 +24,8 @@ from dbos import DBOS, DBOSConfig
 from litestar import Litestar, get, post
 from litestar.status_codes import HTTP_202_ACCEPTED
 
+from benchmarks.run import NoopReporter
+
 URL = os.environ.get("PEERS_DBOS_DATABASE_URL", "")
 QUEUE = "turns"
 AGENT_CONFIG: dict[str, Any] = {"model": "replay",
@@ -47,17 +49,6 @@ async def _checkpoint_pool() -> Any:
     return _pools[loop]
 
 
-class _NoopReporter:
-    async def message(self, message: Any) -> None:
-        return None
-
-    async def tool_started(self, call: dict[str, Any]) -> None:
-        return None
-
-    async def tool_finished(self, call: dict[str, Any], result: str) -> None:
-        return None
-
-
 @DBOS.step()
 async def run_graph(session_id: str, text: str) -> str:
     """The turn's graph run: what Yuxi's worker runs (benchmarks.run's
@@ -79,7 +70,7 @@ async def run_graph(session_id: str, text: str) -> str:
         content=(f"You are Yuxi session 'root' at path /root (session id {session_id}, "
                  f"parent none (root session), tree {session_id}, run {run_id})."),
         id=f"identity:{run_id}")]
-    graph = build_graph(model, {}, _NoopReporter(), preamble=preamble,
+    graph = build_graph(model, {}, NoopReporter(), preamble=preamble,
                         checkpointer=AsyncPostgresSaver(await _checkpoint_pool()))
     out = await graph.ainvoke(
         {"messages": [HumanMessage(content=text, id=f"input:{uuid.uuid4()}",
