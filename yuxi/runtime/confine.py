@@ -25,7 +25,6 @@ import fcntl
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 from collections.abc import Awaitable, Callable
@@ -101,7 +100,7 @@ class Bubblewrap:
             return "YUXI_SANDBOX_NETWORK=outbound needs slirp4netns, which is not installed"
         return None
 
-    def env(self) -> dict[str, str]:
+    def env(self, box: Any) -> dict[str, str]:
         """The allow-list: nothing of the worker's environment but its locale."""
         return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": WORKDIR, "TMPDIR": TMPDIR,
                 "TERM": self.settings.sandbox_term, "USER": "sandbox",
@@ -353,7 +352,3 @@ def host_path(box: Any, raw: Any) -> Path:
 def for_settings(settings: Settings) -> Bubblewrap | Host:
     return Host(settings) if settings.sandbox == "host" else Bubblewrap(settings)
 
-
-def kill_group(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)

@@ -137,7 +137,7 @@ async def run_command(ctx: ToolContext, args: dict[str, Any]) -> Any:
         return cancelled  # stop only this turn's own command
 
     if box.jail.confined:
-        request = {"command": command, "env": box.jail.env(), "limits": box.jail.limits()}
+        request = {"command": command, "env": box.jail.env(box), "limits": box.jail.limits()}
         if args.get("background"):
             reply = await _agent(ctx, box, {"op": "background", **request})
             return {"pid": reply["pid"], "background": True}
