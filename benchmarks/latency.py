@@ -2,7 +2,7 @@
 real workers on a fresh database.
 
     python -m benchmarks.latency [--scenarios fanout,wake,sse] [--children 64]
-        [--delay-ms 200] [--waits 50] [--subscribers 500] [--turns 20]
+        [--delay-ms 200] [--waits 50] [--subscribers 500] [--turns 20] [--interval 1]
         [--database-url URL]
 
 1. Fan-out: a root session's replay script creates --children child
@@ -26,7 +26,9 @@ real workers on a fresh database.
    NOTIFY at the bench's own LISTEN connection after that insert (the
    commit as seen by a listener). Target: p99 <= 20 ms. Run with the
    default feed and with YUXI_SSE_FEED_EVENTS=0 (each subscriber reads the
-   table itself).
+   table itself), each with the turns back to back and with a turn every
+   --interval s (1); a run ends when no byte arrived for 2 s. Also the API
+   process's CPU over the run per frame delivered.
 
 Services: the API (uvicorn) and 2 `procrastinate worker` processes (worker
 concurrency 8) as benchmarks.run starts them, restarted on a fresh database
@@ -50,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import psycopg
 
 from benchmarks import run as bench
@@ -82,6 +85,7 @@ async def services(url: str, log_dir: Path, extra_env: dict[str, str] | None = N
         await bench.wait_ready(base, procs)
         async with httpx.AsyncClient(base_url=base, timeout=60,
                                      headers={"Authorization": f"Bearer {key}"}) as http:
+            services.api_pid = api.pid
             yield base, key, http
     finally:
         for p in procs:
@@ -223,6 +227,8 @@ async def scenario_wake(args: Any, log_dir: Path) -> list[str]:
 
 
 class Subscriber(asyncio.Protocol):
+    last_data = 0.0  # the last arrival at any subscriber
+
     def __init__(self, request: bytes) -> None:
         self.request = request
         self.chunks: list[tuple[float, bytes]] = []
@@ -234,7 +240,9 @@ class Subscriber(asyncio.Protocol):
         transport.write(self.request)
 
     def data_received(self, data: bytes) -> None:
-        self.chunks.append((time.time(), data))
+        now = time.time()
+        self.chunks.append((now, data))
+        Subscriber.last_data = now
         if not self.got_data.done():
             self.got_data.set_result(None)
 
@@ -304,7 +312,8 @@ class Listener(threading.Thread):
                     self.times.append(time.time())
 
 
-async def sse_run(args: Any, log_dir: Path, label: str, extra_env: dict[str, str]) -> str:
+async def sse_run(args: Any, log_dir: Path, label: str, extra_env: dict[str, str],
+                  interval: float) -> str:
     async with services(args.database_url, log_dir, extra_env) as (base, key, http):
         session = await new_session(http, {"default": [{"say": "ok {{ input }}"}]})
         tree = session["tree_id"]
@@ -333,12 +342,24 @@ async def sse_run(args: Any, log_dir: Path, label: str, extra_env: dict[str, str
             listener = Listener(args.database_url)
             listener.start()
             listener.ready.wait(10)
+            api_proc = psutil.Process(services.api_pid)
+            me = psutil.Process()
+            cpu0 = (sum(api_proc.cpu_times()[:2]), sum(me.cpu_times()[:2]))
             began = time.monotonic()
             for k in range(args.turns):
+                t = time.monotonic()
                 r = await post(http, session["id"], f"turn {k}")
                 await wait_turn(conn, tree, r["turn_id"])
+                await asyncio.sleep(max(0.0, interval - (time.monotonic() - t)))
             drive = time.monotonic() - began
-            await asyncio.sleep(1.0)
+            # Until every frame has arrived: no byte at any subscriber for 2 s
+            # (keepalives come every 15 s), at most 120 s.
+            deadline = time.monotonic() + 120
+            while time.time() - Subscriber.last_data < 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            drained = time.monotonic() - began - drive
+            api_cpu = sum(api_proc.cpu_times()[:2]) - cpu0[0]
+            bench_cpu = sum(me.cpu_times()[:2]) - cpu0[1]
             listener.stop.set()
             cur = await conn.execute(
                 "SELECT seq, extract(epoch FROM created_at)::float8 FROM yuxi.events "
@@ -374,21 +395,27 @@ async def sse_run(args: Any, log_dir: Path, label: str, extra_env: dict[str, str
                 if commit_seen[seq] == commit_seen[seq]:
                     from_notify.append((t - commit_seen[seq]) * 1000)
     expected = len(created) * len(subs)
-    line = (f"SSE fan-in ({label}): {len(subs)} subscribers, {args.turns} turns in "
-            f"{drive:.2f} s, frames received {received} of {expected}"
+    pacing = f"one every {interval:g} s" if interval else "back to back"
+    line = (f"SSE fan-in ({label}, turns {pacing}): {len(subs)} subscribers, {args.turns} "
+            f"turns in {drive:.2f} s (+{max(0.0, drained - 2):.1f} s until the last frame), frames received {received} of {expected}"
             f"{f', {bad_status} non-200' if bad_status else ''}; delay from the event's "
             f"insert p50 {pct(from_insert, 0.5):.1f} ms p99 {pct(from_insert, 0.99):.1f} ms "
             f"max {max(from_insert, default=float('nan')):.1f} ms; from the NOTIFY at the "
             f"bench p50 {pct(from_notify, 0.5):.1f} ms p99 {pct(from_notify, 0.99):.1f} ms "
-            f"(target p99 <= 20 ms)")
+            f"(target p99 <= 20 ms); CPU meanwhile: API {api_cpu:.2f} s "
+            f"({api_cpu / max(received, 1) * 1e6:.0f} us a frame), this bench (client, parse "
+            f"later) {bench_cpu:.2f} s")
     print(line, flush=True)
     return line
 
 
 async def scenario_sse(args: Any, log_dir: Path) -> list[str]:
-    return [await sse_run(args, log_dir, "default feed", {}),
-            await sse_run(args, log_dir, "YUXI_SSE_FEED_EVENTS=0",
-                          {"YUXI_SSE_FEED_EVENTS": "0"})]
+    lines = []
+    for interval in (0.0, args.interval):
+        lines.append(await sse_run(args, log_dir, "default feed", {}, interval))
+        lines.append(await sse_run(args, log_dir, "YUXI_SSE_FEED_EVENTS=0",
+                                   {"YUXI_SSE_FEED_EVENTS": "0"}, interval))
+    return lines
 
 
 # --------------------------------------------------------------------------
@@ -427,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--waits", type=int, default=50)
     p.add_argument("--subscribers", type=int, default=500)
     p.add_argument("--turns", type=int, default=20)
+    p.add_argument("--interval", type=float, default=1.0,
+                   help="the SSE scenario's paced run starts a turn every INTERVAL s")
     p.add_argument("--database-url", default=db.with_database(
         os.environ.get("YUXI_BENCH_DATABASE_URL", bench.DEFAULT_URL), DEFAULT_DB))
     args = p.parse_args(argv)
