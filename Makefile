@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup system-packages run test bench bench-scale bench-peers bench-storage bench-all chaos db-init worker serve clean
+.PHONY: help setup system-packages run test bench bench-scale bench-peers bench-storage bench-latency bench-all chaos db-init worker serve clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) \
@@ -72,7 +72,10 @@ bench-peers: setup $(BENCH_STAMP) ## the peers' workload through Yuxi and throug
 bench-storage: setup ## bytes per turn of a 1,000-turn session (~2.5-3 min)
 	$(BIN)/python -m benchmarks.storage $(BENCH_ARGS)
 
-bench-all: bench bench-scale bench-peers bench-storage ## every benchmark, one after the other (~10 min)
+bench-latency: setup ## fan-out of 64 children, wake p50/p99, SSE fan-in to 500 subscribers (~2 min)
+	$(BIN)/python -m benchmarks.latency $(BENCH_ARGS)
+
+bench-all: bench bench-scale bench-peers bench-storage bench-latency ## every benchmark, one after the other (~12 min)
 
 chaos: setup ## kill workers and APIs, restart PostgreSQL, terminate backends during a fan-out; report losses
 	$(BIN)/python -m benchmarks.chaos

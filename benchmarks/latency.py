@@ -1,0 +1,467 @@
+"""Fan-out, wake and SSE fan-in latency (issue 15), through the real API and
+real workers on a fresh database.
+
+    python -m benchmarks.latency [--scenarios fanout,wake,sse] [--children 64]
+        [--delay-ms 200] [--waits 50] [--subscribers 500] [--turns 20] [--interval 1]
+        [--database-url URL]
+
+1. Fan-out: a root session's replay script creates --children child
+   sessions (`create_session`) whose turn takes --delay-ms each, waits for
+   all of them (`wait_inputs`) and answers. A tree has 4 slots, so the ideal
+   is children x delay / 4. Elapsed = the root's input receipt
+   (`yuxi.inputs.created_at`) to its `turn.completed` (`created_at`), both
+   the database's clock. Run twice (the first one warms the processes up);
+   target: elapsed <= 1.1 x ideal.
+2. Wake: --waits root sessions, one after the other, each turn creating one
+   child (a 200 ms step, so the parent has suspended by then) and waiting
+   for it. Wake = the child's `turn.completed` to the parent's resumed
+   `run.started` (events' `created_at`, `clock_timestamp()` at insert).
+   Target: p99 <= 10 ms.
+3. SSE fan-in: --subscribers event streams of one session on one API
+   process (a lean asyncio client: one socket and a protocol object each,
+   bytes time-stamped as they arrive, parsed after the run), --turns turns
+   one after the other. For every frame at every subscriber: its arrival
+   minus its event's `created_at` (the insert; the commit follows within
+   the transaction), and minus the arrival of the first `yuxi_events`
+   NOTIFY at the bench's own LISTEN connection after that insert (the
+   commit as seen by a listener). Target: p99 <= 20 ms. Run with the
+   default feed and with YUXI_SSE_FEED_EVENTS=0 (each subscriber reads the
+   table itself), each with the turns back to back and with a turn every
+   --interval s (1); a run ends when no byte arrived for 2 s. Also the API
+   process's CPU over the run per frame delivered.
+
+Services: the API (uvicorn) and 2 `procrastinate worker` processes (worker
+concurrency 8) as benchmarks.run starts them, restarted on a fresh database
+(default `yuxi_bench_latency`, DROPPED and recreated) for each scenario.
+A report, not a test: it exits 0 whatever the numbers are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import re
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import psycopg
+
+from benchmarks import run as bench
+
+DEFAULT_DB = "yuxi_bench_latency"
+SLOTS = 4
+
+
+def pct(values: list[float], q: float) -> float:
+    return bench.percentile(values, q * 100) if values else float("nan")
+
+
+@contextlib.asynccontextmanager
+async def services(url: str, log_dir: Path, extra_env: dict[str, str] | None = None,
+                   workers: int = 2) -> Any:
+    """A fresh database, a key, the API and `workers` workers; yields
+    (base URL, an httpx client with the key)."""
+    await bench.fresh_database(url)
+    key, _scope, _agent = await bench.create_key_and_agent(url)
+    opts = bench.parse_args(["--database-url", url, "--workers", str(workers),
+                             "--worker-concurrency", "8"])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("YUXI_")}
+    env.update(YUXI_DATABASE_URL=url, YUXI_WORKER_CONCURRENCY="8", PYTHONUNBUFFERED="1",
+               **(extra_env or {}))
+    procs: list[bench.Proc] = []
+    try:
+        api, base = bench.start_api(opts, env, log_dir)
+        procs.append(api)
+        procs += [bench.start_worker(opts, env, log_dir, n) for n in range(workers)]
+        await bench.wait_ready(base, procs)
+        async with httpx.AsyncClient(base_url=base, timeout=60,
+                                     headers={"Authorization": f"Bearer {key}"}) as http:
+            services.api_pid = api.pid
+            yield base, key, http
+    finally:
+        for p in procs:
+            p.stop()
+
+
+async def new_session(http: httpx.AsyncClient, script: dict[str, Any],
+                      tools: list[str] | None = None) -> dict[str, Any]:
+    config: dict[str, Any] = {"model": "replay", "replay": script}
+    if tools:
+        config["tools"] = tools
+    r = await http.post("/api/agents", json={"name": f"a{time.monotonic_ns()}",
+                                             "config": config})
+    assert r.status_code == 201, r.text
+    r = await http.post("/api/sessions", json={"agent_id": r.json()["id"]})
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+async def post(http: httpx.AsyncClient, session_id: str, text: str) -> dict[str, Any]:
+    r = await http.post(f"/api/sessions/{session_id}/inputs",
+                        json={"content": text, "mode": "queue"})
+    assert r.status_code == 202, r.text
+    return r.json()
+
+
+async def wait_turn(conn: psycopg.AsyncConnection, tree: str, turn: str,
+                    timeout: float = 300.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        cur = await conn.execute(
+            "SELECT type FROM yuxi.events WHERE tree_id = %s AND turn_id = %s AND type = ANY(%s)",
+            (tree, turn, list(bench.TERMINAL_TURN_EVENTS)))
+        row = await cur.fetchone()
+        if row:
+            return row[0]
+        await asyncio.sleep(0.02)
+    raise RuntimeError(f"turn {turn} did not end within {timeout:.0f} s")
+
+
+# --------------------------------------------------------------------------
+# 1. Fan-out
+
+
+def fan_out_script(children: int, delay_ms: int) -> dict[str, Any]:
+    create = [{"tool": "create_session", "args": {"name": f"c{i}", "task": f"task {i}"}}
+              for i in range(children)]
+    return {
+        "rules": [{"match": "^fan out", "steps": [
+            {"call": create},
+            {"call": [{"tool": "wait_inputs", "args": {
+                "input_ids": "{{ results|map(attribute='input_id')|list }}",
+                "timeout_s": 600}}]},
+            {"say": "done {{ results|length }}"},
+        ]}],
+        "default": [{"say": "result of {{ input }}", "delay_ms": delay_ms}],
+    }
+
+
+async def scenario_fanout(args: Any, log_dir: Path) -> list[str]:
+    ideal = args.children * args.delay_ms / 1000 / SLOTS
+    lines = []
+    async with services(args.database_url, log_dir) as (_base, _key, http):
+        async with await psycopg.AsyncConnection.connect(args.database_url,
+                                                         autocommit=True) as conn:
+            for attempt in ("warm-up", "measured"):
+                root = await new_session(http, fan_out_script(args.children, args.delay_ms),
+                                         ["cooperation"])
+                receipt = await post(http, root["id"], "fan out")
+                status = await wait_turn(conn, root["tree_id"], receipt["turn_id"])
+                cur = await conn.execute(
+                    """SELECT extract(epoch FROM e.created_at - i.created_at),
+                              (SELECT count(*) FROM yuxi.events c WHERE c.tree_id = e.tree_id
+                                 AND c.session_id <> e.session_id AND c.type = 'turn.completed'),
+                              (SELECT extract(epoch FROM max(c.created_at) - min(c.created_at))
+                                 FROM yuxi.events c WHERE c.tree_id = e.tree_id
+                                 AND c.session_id <> e.session_id
+                                 AND c.type IN ('run.started', 'turn.completed'))
+                         FROM yuxi.events e JOIN yuxi.inputs i ON i.id = %s
+                        WHERE e.tree_id = %s AND e.turn_id = %s AND e.type = %s""",
+                    (receipt["input_id"], root["tree_id"], receipt["turn_id"], status))
+                elapsed, done, span = await cur.fetchone()
+                elapsed, span = float(elapsed), float(span or 0)
+                line = (f"fan-out ({attempt}): {args.children} children x {args.delay_ms} ms "
+                        f"on {SLOTS} slots: elapsed {elapsed:.3f} s, ideal {ideal:.3f} s, "
+                        f"ratio {elapsed / ideal:.2f} (target <= 1.10); children's first "
+                        f"run.started to last turn.completed {span:.3f} s; "
+                        f"{done} children completed; root turn {status}")
+                print(line, flush=True)
+                lines.append(line)
+    return lines
+
+
+# --------------------------------------------------------------------------
+# 2. Wake
+
+
+def wake_script(delay_ms: int) -> dict[str, Any]:
+    return {
+        "rules": [{"match": "^wake", "steps": [
+            {"call": [{"tool": "create_session", "args": {"name": "w", "task": "child"}}]},
+            {"call": [{"tool": "wait_inputs", "args": {
+                "input_ids": "{{ results|map(attribute='input_id')|list }}",
+                "timeout_s": 600}}]},
+            {"say": "woke"},
+        ]}],
+        "default": [{"say": "child done", "delay_ms": delay_ms}],
+    }
+
+
+async def scenario_wake(args: Any, log_dir: Path) -> list[str]:
+    wakes: list[float] = []
+    async with services(args.database_url, log_dir) as (_base, _key, http):
+        async with await psycopg.AsyncConnection.connect(args.database_url,
+                                                         autocommit=True) as conn:
+            for i in range(args.waits + 3):  # the first 3 warm up
+                root = await new_session(http, wake_script(200), ["cooperation"])
+                receipt = await post(http, root["id"], "wake")
+                await wait_turn(conn, root["tree_id"], receipt["turn_id"])
+                cur = await conn.execute(
+                    """SELECT extract(epoch FROM
+                         (SELECT max(created_at) FROM yuxi.events WHERE tree_id = %(t)s
+                            AND session_id = %(s)s AND type = 'run.started')
+                       - (SELECT created_at FROM yuxi.events WHERE tree_id = %(t)s
+                            AND session_id <> %(s)s AND type = 'turn.completed'))""",
+                    {"t": root["tree_id"], "s": root["id"]})
+                (wake,) = await cur.fetchone()
+                if i >= 3:
+                    wakes.append(float(wake) * 1000)
+    line = (f"wake: {len(wakes)} waits, child turn.completed -> parent run.started: "
+            f"p50 {pct(wakes, 0.5):.1f} ms, p99 {pct(wakes, 0.99):.1f} ms, "
+            f"max {max(wakes):.1f} ms, min {min(wakes):.1f} ms (target p99 <= 10 ms)")
+    print(line, flush=True)
+    return [line]
+
+
+# --------------------------------------------------------------------------
+# 3. SSE fan-in
+
+
+class Subscriber(asyncio.Protocol):
+    last_data = 0.0  # the last arrival at any subscriber
+
+    def __init__(self, request: bytes) -> None:
+        self.request = request
+        self.chunks: list[tuple[float, bytes]] = []
+        self.got_data = asyncio.get_running_loop().create_future()
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        transport.write(self.request)
+
+    def data_received(self, data: bytes) -> None:
+        now = time.time()
+        self.chunks.append((now, data))
+        Subscriber.last_data = now
+        if not self.got_data.done():
+            self.got_data.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.got_data.done():
+            self.got_data.set_result(None)
+
+    def frames(self) -> tuple[int, list[tuple[int, float]]]:
+        """(HTTP status, [(seq, arrival)]) from the bytes as received."""
+        raw = bytearray()
+        body = bytearray()
+        sse = b""
+        status = 0
+        headers_done = False
+        chunked = False
+        out: list[tuple[int, float]] = []
+        for t, data in self.chunks:
+            raw += data
+            if not headers_done:
+                end = raw.find(b"\r\n\r\n")
+                if end < 0:
+                    continue
+                head = bytes(raw[:end]).decode("latin-1")
+                status = int(head.split(" ", 2)[1])
+                chunked = "transfer-encoding: chunked" in head.lower()
+                del raw[:end + 4]
+                headers_done = True
+            if chunked:
+                while True:
+                    nl = raw.find(b"\r\n")
+                    if nl < 0:
+                        break
+                    size = int(bytes(raw[:nl]).split(b";")[0], 16)
+                    if len(raw) < nl + 2 + size + 2:
+                        break
+                    body += raw[nl + 2:nl + 2 + size]
+                    del raw[:nl + 2 + size + 2]
+            else:
+                body += raw
+                raw.clear()
+            sse += bytes(body).replace(b"\r\n", b"\n")
+            body.clear()
+            *blocks, sse = sse.split(b"\n\n")
+            for block in blocks:
+                m = re.search(rb"^id: ?(\d+)", block, re.M)
+                if m:
+                    out.append((int(m.group(1)), t))
+        return status, out
+
+
+class Listener(threading.Thread):
+    """The bench's own LISTEN yuxi_events connection: arrival times."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.times: list[float] = []
+        self.ready = threading.Event()
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        with psycopg.connect(self.url, autocommit=True) as conn:
+            conn.execute("LISTEN yuxi_events")
+            self.ready.set()
+            while not self.stop.is_set():
+                for _n in conn.notifies(timeout=0.2):
+                    self.times.append(time.time())
+
+
+async def sse_run(args: Any, log_dir: Path, label: str, extra_env: dict[str, str],
+                  interval: float) -> str:
+    async with services(args.database_url, log_dir, extra_env) as (base, key, http):
+        session = await new_session(http, {"default": [{"say": "ok {{ input }}"}]})
+        tree = session["tree_id"]
+        port = int(base.rsplit(":", 1)[1])
+        request = (f"GET /api/sessions/{session['id']}/events HTTP/1.1\r\n"
+                   f"Host: 127.0.0.1:{port}\r\nAuthorization: Bearer {key}\r\n"
+                   "Accept: text/event-stream\r\n\r\n").encode()
+        async with await psycopg.AsyncConnection.connect(args.database_url,
+                                                         autocommit=True) as conn:
+            # A warm-up turn before the subscribers.
+            r = await post(http, session["id"], "warm")
+            await wait_turn(conn, tree, r["turn_id"])
+            loop = asyncio.get_running_loop()
+            subs: list[Subscriber] = []
+            for start in range(0, args.subscribers, 50):
+                batch = [Subscriber(request) for _ in range(start, min(start + 50,
+                                                                       args.subscribers))]
+                await asyncio.gather(*(loop.create_connection(lambda s=s: s, "127.0.0.1", port)
+                                       for s in batch))
+                subs += batch
+            await asyncio.wait_for(asyncio.gather(*(s.got_data for s in subs)), 60)
+            await asyncio.sleep(1.0)  # the replays (the warm-up turn's events) arrive
+            cur = await conn.execute("SELECT coalesce(max(seq), 0) FROM yuxi.events "
+                                     "WHERE tree_id = %s", (tree,))
+            (first_seq,) = await cur.fetchone()
+            listener = Listener(args.database_url)
+            listener.start()
+            listener.ready.wait(10)
+            api_proc = psutil.Process(services.api_pid)
+            me = psutil.Process()
+            cpu0 = (sum(api_proc.cpu_times()[:2]), sum(me.cpu_times()[:2]))
+            began = time.monotonic()
+            for k in range(args.turns):
+                t = time.monotonic()
+                r = await post(http, session["id"], f"turn {k}")
+                await wait_turn(conn, tree, r["turn_id"])
+                await asyncio.sleep(max(0.0, interval - (time.monotonic() - t)))
+            drive = time.monotonic() - began
+            # Until every frame has arrived: no byte at any subscriber for 2 s
+            # (keepalives come every 15 s), at most 120 s.
+            deadline = time.monotonic() + 120
+            while time.time() - Subscriber.last_data < 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            drained = time.monotonic() - began - drive
+            api_cpu = sum(api_proc.cpu_times()[:2]) - cpu0[0]
+            bench_cpu = sum(me.cpu_times()[:2]) - cpu0[1]
+            listener.stop.set()
+            cur = await conn.execute(
+                "SELECT seq, extract(epoch FROM created_at)::float8 FROM yuxi.events "
+                "WHERE tree_id = %s AND seq > %s ORDER BY seq", (tree, first_seq))
+            created = dict(await cur.fetchall())
+            for s in subs:
+                if s.transport:
+                    s.transport.close()
+        listener.join(5)
+    notifies = sorted(listener.times)
+
+    import bisect
+
+    def committed(ts: float) -> float:
+        i = bisect.bisect_left(notifies, ts)
+        return notifies[i] if i < len(notifies) else float("nan")
+
+    commit_seen = {seq: committed(ts) for seq, ts in created.items()}
+    from_insert: list[float] = []
+    from_notify: list[float] = []
+    received = 0
+    bad_status = 0
+    for s in subs:
+        status, frames = s.frames()
+        if status != 200:
+            bad_status += 1
+        seen = set()
+        for seq, t in frames:
+            if seq in created and seq not in seen:
+                seen.add(seq)
+                received += 1
+                from_insert.append((t - created[seq]) * 1000)
+                if commit_seen[seq] == commit_seen[seq]:
+                    from_notify.append((t - commit_seen[seq]) * 1000)
+    expected = len(created) * len(subs)
+    pacing = f"one every {interval:g} s" if interval else "back to back"
+    line = (f"SSE fan-in ({label}, turns {pacing}): {len(subs)} subscribers, {args.turns} "
+            f"turns in {drive:.2f} s (+{max(0.0, drained - 2):.1f} s until the last frame), frames received {received} of {expected}"
+            f"{f', {bad_status} non-200' if bad_status else ''}; delay from the event's "
+            f"insert p50 {pct(from_insert, 0.5):.1f} ms p99 {pct(from_insert, 0.99):.1f} ms "
+            f"max {max(from_insert, default=float('nan')):.1f} ms; from the NOTIFY at the "
+            f"bench p50 {pct(from_notify, 0.5):.1f} ms p99 {pct(from_notify, 0.99):.1f} ms "
+            f"(target p99 <= 20 ms); CPU meanwhile: API {api_cpu:.2f} s "
+            f"({api_cpu / max(received, 1) * 1e6:.0f} us a frame), this bench (client, parse "
+            f"later) {bench_cpu:.2f} s")
+    print(line, flush=True)
+    return line
+
+
+async def scenario_sse(args: Any, log_dir: Path) -> list[str]:
+    lines = []
+    for interval in (0.0, args.interval):
+        lines.append(await sse_run(args, log_dir, "default feed", {}, interval))
+        lines.append(await sse_run(args, log_dir, "YUXI_SSE_FEED_EVENTS=0",
+                                   {"YUXI_SSE_FEED_EVENTS": "0"}, interval))
+    return lines
+
+
+# --------------------------------------------------------------------------
+
+
+async def main_async(args: Any) -> None:
+    scenarios = {"fanout": scenario_fanout, "wake": scenario_wake, "sse": scenario_sse}
+    lines: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="yuxi-latency-") as tmp:
+        async with bench.exclusive(args.database_url):
+            for name in args.scenarios.split(","):
+                log_dir = Path(tmp) / name
+                log_dir.mkdir()
+                try:
+                    lines += await scenarios[name](args, log_dir)
+                except Exception as exc:  # a report: say what failed, go on
+                    line = f"{name}: FAILED: {exc!r}"
+                    for log in sorted(log_dir.glob("*.log")):
+                        line += f"\n--- {log.name}\n" + "\n".join(
+                            log.read_text(errors="replace").splitlines()[-15:])
+                    print(line, flush=True)
+                    lines.append(line)
+    print("\nlatency summary:")
+    for line in lines:
+        print("  " + line.splitlines()[0])
+
+
+def main(argv: list[str] | None = None) -> int:
+    from yuxi import db
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.latency", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scenarios", default="fanout,wake,sse")
+    p.add_argument("--children", type=int, default=64)
+    p.add_argument("--delay-ms", type=int, default=200)
+    p.add_argument("--waits", type=int, default=50)
+    p.add_argument("--subscribers", type=int, default=500)
+    p.add_argument("--turns", type=int, default=20)
+    p.add_argument("--interval", type=float, default=1.0,
+                   help="the SSE scenario's paced run starts a turn every INTERVAL s")
+    p.add_argument("--database-url", default=db.with_database(
+        os.environ.get("YUXI_BENCH_DATABASE_URL", bench.DEFAULT_URL), DEFAULT_DB))
+    args = p.parse_args(argv)
+    asyncio.run(main_async(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
