@@ -68,24 +68,45 @@ async def stream_events(
     return ServerSentEvent(_events(request, str(session.tree_id), only, cursor))
 
 
-def _delta_frame(delta: dict) -> ServerSentEventMessage:
+def _delta_frame(delta: dict) -> bytes:
     """`message.delta`: no `id:` line, not stored, not replayed."""
     return ServerSentEventMessage(data=msgspec.json.encode({
         "type": "message.delta", "session_id": delta.get("session_id"),
         "turn_id": delta.get("turn_id"), "run_id": delta.get("run_id"),
         "data": {"message_id": delta.get("message_id"), "delta": delta.get("delta")},
-    }).decode())
+    }).decode()).encode()
 
 
-def _frame(row: dict) -> ServerSentEventMessage:
-    payload = {"seq": row["seq"], "type": row["type"], "session_id": row["session_id"],
-               "turn_id": row["turn_id"], "run_id": row["run_id"], "data": row["data"],
-               "created_at": row["created_at"]}
-    return ServerSentEventMessage(data=msgspec.json.encode(payload).decode(), id=row["seq"])
+def _frame(row: dict) -> bytes:
+    """An event's SSE frame, encoded once: a row of the feed's window is
+    shared by all of the tree's subscribers, and so is its frame."""
+    frame = row.get("_sse")
+    if frame is None:
+        payload = {"seq": row["seq"], "type": row["type"], "session_id": row["session_id"],
+                   "turn_id": row["turn_id"], "run_id": row["run_id"], "data": row["data"],
+                   "created_at": row["created_at"]}
+        frame = row["_sse"] = ServerSentEventMessage(
+            data=msgspec.json.encode(payload).decode(), id=row["seq"]).encode()
+    return frame
+
+
+class _Encoded(ServerSentEventMessage):
+    """Frames encoded already, sent in one write (Litestar writes what
+    `encode` returns)."""
+
+    def __init__(self, raw: bytes) -> None:
+        super().__init__(data=None)
+        self.raw = raw
+
+    def encode(self) -> bytes:
+        return self.raw
 
 
 # What the reader hands the sender besides frames.
 _KEEPALIVE = object()
+KEEPALIVE = ServerSentEventMessage(data=None, comment="keepalive").encode()
+# Frames one write carries at most.
+SEND_BATCH = 256
 
 
 class _TooSlow:
@@ -134,8 +155,11 @@ async def _read(state, tree_id: str, session_id, cursor: int, buffer: asyncio.Qu
             for row in rows or ():
                 if only is None or str(row["session_id"]) == only:
                     try:
-                        await asyncio.wait_for(buffer.put(_frame(row)),
-                                               settings.sse_slow_consumer_seconds)
+                        try:
+                            buffer.put_nowait(_frame(row))  # the common case: room
+                        except asyncio.QueueFull:
+                            await asyncio.wait_for(buffer.put(_frame(row)),
+                                                   settings.sse_slow_consumer_seconds)
                     except TimeoutError:
                         # The buffer stayed full: the client reads slower than
                         # its tree writes. It resumes from the last id it got.
@@ -172,15 +196,25 @@ async def _events(
                 get.cancel()
                 raise reader.exception()  # type: ignore[misc]
             item = await get
-            if item is _KEEPALIVE:
-                yield ServerSentEventMessage(data=None, comment="keepalive")
-            elif isinstance(item, _TooSlow):
-                yield ServerSentEventMessage(
-                    data=None, comment=f"too far behind: reconnect with Last-Event-ID: "
-                                       f"{item.last_id}")
-                return
-            else:
-                yield item
+            # Everything already buffered goes out in one write: per-frame
+            # sends cost more than the frames (500 subscribers x a turn's
+            # events).
+            chunks: list[bytes] = []
+            while True:
+                if item is _KEEPALIVE:
+                    chunks.append(KEEPALIVE)
+                elif isinstance(item, _TooSlow):
+                    chunks.append(ServerSentEventMessage(
+                        data=None, comment=f"too far behind: reconnect with Last-Event-ID: "
+                                           f"{item.last_id}").encode())
+                    yield _Encoded(b"".join(chunks))
+                    return
+                else:
+                    chunks.append(item)
+                if len(chunks) >= SEND_BATCH or buffer.empty():
+                    break
+                item = buffer.get_nowait()
+            yield _Encoded(b"".join(chunks))
     finally:
         reader.cancel()
         if get is not None:
