@@ -7,8 +7,10 @@ own state transitions, `sql/queries.sql` holds the named queries Python runs
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import logging
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -197,3 +199,36 @@ async def transaction(pool: AsyncConnectionPool) -> AsyncIterator[psycopg.AsyncC
     """One connection and one transaction: a service call's unit of work."""
     async with pool.connection() as conn, conn.transaction():
         yield conn
+
+
+async def listen_forever(url: str, channels: tuple[str, ...], on_note, *, what: str,
+                         on_connect=None, on_disconnect=None, poll_seconds: float = 5.0) -> None:
+    """A process's LISTEN connection on `channels`, kept up for good: each
+    notification goes to `on_note`; a lost connection is reopened with
+    backoff (0.2 s doubling to 5 s). `on_connect` runs once listening (the
+    notifications sent while disconnected are gone: catch up there),
+    `on_disconnect` when the connection is lost. Runs until cancelled."""
+    log = logging.getLogger("yuxi.listen")
+    backoff = 0.2
+    while True:
+        try:
+            async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+                for channel in channels:
+                    await conn.execute(f"LISTEN {channel}")
+                backoff = 0.2
+                if on_connect is not None:
+                    on_connect()
+                while True:
+                    # A bounded wait, then a round trip: a dead connection is noticed.
+                    async for note in conn.notifies(timeout=poll_seconds):
+                        on_note(note)
+                    await conn.execute("SELECT 1")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("%s lost its connection: %s", what, exc)
+        finally:
+            if on_disconnect is not None:
+                on_disconnect()
+        await asyncio.sleep(backoff)
+        backoff = min(backoff * 2, 5.0)

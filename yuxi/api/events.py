@@ -29,7 +29,6 @@ from litestar.response import ServerSentEvent, ServerSentEventMessage
 
 from yuxi.api.feed import fetch as _fetch
 from yuxi.api.auth import Caller
-from yuxi.domain import Scope
 from yuxi.errors import InvalidRequest, is_connection_error
 from yuxi.services import sessions
 

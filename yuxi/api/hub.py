@@ -11,13 +11,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import logging
 from collections import defaultdict
 
 import msgspec
-import psycopg
 
-log = logging.getLogger(__name__)
+from yuxi import db
 
 CHANNEL = "yuxi_events"
 # Ephemeral text deltas of streaming models (yuxi.runtime.live): fanned out
@@ -97,31 +95,20 @@ class EventHub:
             for wake in members:
                 wake.set()
 
+    def _note(self, note) -> None:
+        if note.channel == DELTA_CHANNEL:
+            self._delta(note.payload)
+        else:
+            self._wake(note.payload.partition(" ")[0])
+
+    def _connected(self) -> None:
+        self.connected = True
+        self._wake_all()
+
+    def _disconnected(self) -> None:
+        self.connected = False
+
     async def _listen_forever(self) -> None:
-        backoff = 0.2
-        while True:
-            try:
-                async with await psycopg.AsyncConnection.connect(
-                    self.url, autocommit=True
-                ) as conn:
-                    await conn.execute(f"LISTEN {CHANNEL}")
-                    await conn.execute(f"LISTEN {DELTA_CHANNEL}")
-                    self.connected = True
-                    backoff = 0.2
-                    self._wake_all()
-                    while True:
-                        # A bounded wait so a dead connection is noticed.
-                        async for note in conn.notifies(timeout=self.poll_seconds):
-                            if note.channel == DELTA_CHANNEL:
-                                self._delta(note.payload)
-                                continue
-                            self._wake(note.payload.partition(" ")[0])
-                        await conn.execute("SELECT 1")
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning("event listener lost its connection: %s", exc)
-            finally:
-                self.connected = False
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 5.0)
+        await db.listen_forever(self.url, (CHANNEL, DELTA_CHANNEL), self._note,
+                                what="event listener", on_connect=self._connected,
+                                on_disconnect=self._disconnected, poll_seconds=self.poll_seconds)

@@ -14,7 +14,7 @@ from yuxi.api.schemas import (AgentCreate, InputCreate, Page, SessionCreate, Ses
                               TurnAnswer)
 from yuxi.api.auth import Caller
 from yuxi.errors import InvalidRequest
-from yuxi.domain import Agent, Input, Receipt, Scope, Session, Turn, TurnResult
+from yuxi.domain import Agent, Input, Receipt, Session, Turn, TurnResult
 from yuxi.runtime.models import list_models
 from yuxi.services import accounts, conversation, sessions
 

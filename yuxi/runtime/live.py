@@ -19,7 +19,6 @@ from collections.abc import Awaitable
 from typing import Any
 
 import msgspec
-import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 from yuxi import db
@@ -169,27 +168,12 @@ class CancelWatch:
                 task.cancel()
 
     async def _listen_forever(self) -> None:
-        backoff = 0.2
-        while True:
-            try:
-                async with await psycopg.AsyncConnection.connect(
-                        self.url, autocommit=True) as conn:
-                    await conn.execute(f"LISTEN {CANCEL_CHANNEL}")
-                    self._ready.set()
-                    backoff = 0.2
-                    while True:
-                        async for note in conn.notifies(timeout=self.poll_seconds):
-                            self._cancel(note.payload)
-                        await conn.execute("SELECT 1")
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                # Missed notifications cost latency only: boundaries still check.
-                log.warning("cancel listener lost its connection: %s", exc)
-            finally:
-                self._ready.clear()
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 5.0)
+        # Missed notifications cost latency only: boundaries still check.
+        await db.listen_forever(self.url, (CANCEL_CHANNEL,),
+                                lambda note: self._cancel(note.payload),
+                                what="cancel listener", on_connect=self._ready.set,
+                                on_disconnect=self._ready.clear,
+                                poll_seconds=self.poll_seconds)
 
 
 def _current_cancelling() -> bool:
