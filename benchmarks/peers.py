@@ -4,6 +4,7 @@ other in one run (issue 15, item 2).
     python -m benchmarks.peers [--turns 300] [--sessions 50] [--clients 8]
                                [--sequential 40] [--database-url URL]
                                [--dbos-database-url URL] [--skip-dbos]
+                               [--yuxi-protocol wait|sse|both]
 
 The workload: 300 turns over 50 sessions by 8 HTTP clients (each client
 takes the next turn; turn k goes to session k mod 50, so a session's turns
@@ -12,10 +13,14 @@ sequential latency of one client (--sequential turns over 5 sessions).
 
 - Yuxi: the real API (uvicorn) and 2 `procrastinate worker` processes
   (benchmarks.run starts them: one per core, worker concurrency 8) on a
-  fresh database. A turn = POST /api/sessions/{id}/inputs, then the SSE
-  stream GET /api/sessions/{id}/events?after=<the session's last seen
-  event> until this turn's `turn.completed`, then GET
-  /api/turns/{turn}/result.
+  fresh database. A turn is one of two protocols (--yuxi-protocol, default
+  both, one after the other on fresh services; the first is the one
+  compared with DBOS):
+  - wait: POST /api/sessions/{id}/inputs?wait=60, which answers with the
+    receipt and the turn's terminal result (one request);
+  - sse: POST /api/sessions/{id}/inputs, then the SSE stream GET
+    /api/sessions/{id}/events?after=<the session's last seen event> until
+    this turn's `turn.completed`, then GET /api/turns/{turn}/result.
 - DBOS: benchmarks.peers_dbos (uvicorn, one process): the same graph, the
   same replay model and an AsyncPostgresSaver checkpointer run by a DBOS
   workflow on a queue of global concurrency 4 polled every 0.05 s, its own
@@ -153,7 +158,14 @@ class YuxiClient:
             out.append(r.json()["id"])
         return out
 
-    async def turn(self, c: int, session: str, text: str) -> None:
+    async def turn_wait(self, c: int, session: str, text: str) -> None:
+        r = await self.http[c].post(f"/api/sessions/{session}/inputs", params={"wait": 60},
+                                    json={"content": text, "mode": "queue"})
+        if r.status_code != 202:
+            raise RuntimeError(f"POST input?wait: {r.status_code} {r.text}")
+        check_result(r.json()["result"], text)
+
+    async def turn_sse(self, c: int, session: str, text: str) -> None:
         http = self.http[c]
         r = await http.post(f"/api/sessions/{session}/inputs",
                             json={"content": text, "mode": "queue"})
@@ -176,13 +188,20 @@ class YuxiClient:
                 raise RuntimeError(f"the event stream ended before turn {turn_id} did")
         r = await http.get(f"/api/turns/{turn_id}/result")
         r.raise_for_status()
-        result = r.json()
-        if result["status"] != "completed" or result["output"]["text"] != f"ok {text}":
-            raise RuntimeError(f"turn {turn_id}: {result}")
+        check_result(r.json(), text)
 
 
-async def run_yuxi(opts: Any, log_dir: Path) -> Side:
-    side = Side("Yuxi")
+def check_result(result: dict[str, Any] | None, text: str) -> None:
+    if (result is None or result["status"] != "completed"
+            or result["output"]["text"] != f"ok {text}"):
+        raise RuntimeError(f"turn of {text!r}: {result}")
+
+
+PROTOCOLS = {"wait": "Yuxi (POST ?wait)", "sse": "Yuxi (POST, SSE, GET result)"}
+
+
+async def run_yuxi(opts: Any, log_dir: Path, protocol: str) -> Side:
+    side = Side(PROTOCOLS[protocol])
     run_opts = bench.parse_args(["--database-url", opts.database_url, "--workers", "2",
                                  "--worker-concurrency", "8"])
     await bench.fresh_database(opts.database_url)
@@ -198,7 +217,8 @@ async def run_yuxi(opts: Any, log_dir: Path) -> Side:
         await bench.wait_ready(base, procs)
         client = YuxiClient(base, key, agent_id, opts.clients)
         try:
-            await measure_side(side, client.turn, client.sessions, opts,
+            turn = client.turn_wait if protocol == "wait" else client.turn_sse
+            await measure_side(side, turn, client.sessions, opts,
                                [p.pid for p in procs], opts.database_url)
         finally:
             await client.aclose()
@@ -278,7 +298,8 @@ async def run_dbos(opts: Any, log_dir: Path) -> Side:
                 await asyncio.sleep(0.2)
         client = DbosClient(base, opts.clients)
         try:
-            await measure_side(side, client.turn, client.sessions, opts, [proc.pid],
+            turn = client.turn_wait if protocol == "wait" else client.turn_sse
+            await measure_side(side, turn, client.sessions, opts, [proc.pid],
                                opts.dbos_database_url)
         finally:
             await client.aclose()
@@ -310,7 +331,7 @@ def report(opts: Any, sides: list[Side]) -> str:
                      f"{s.cpu_ms['postgres backends']:.1f} = {s.server_ms:.1f} "
                      f"({s.cpu_ms['client']:.1f}) | {1000 / s.server_ms:.0f} |")
     yuxi, peer = sides[0], sides[-1]
-    if len(sides) > 1 and not yuxi.error and not peer.error:
+    if peer.name.startswith("DBOS") and not yuxi.error and not peer.error:
         tr = yuxi.rate / peer.rate
         lr = yuxi.seq_p50 / peer.seq_p50
         lines += ["", f"peers: yuxi={yuxi.rate:.1f} turns/s dbos={peer.rate:.1f} turns/s "
@@ -327,8 +348,11 @@ def report(opts: Any, sides: list[Side]) -> str:
 
 async def main_async(opts: Any) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="yuxi-peers-"))
-    print(f"peers: Yuxi (logs in {log_dir}) ...", file=sys.stderr)
-    sides = [await run_yuxi(opts, log_dir)]
+    protocols = ["wait", "sse"] if opts.yuxi_protocol == "both" else [opts.yuxi_protocol]
+    sides = []
+    for protocol in protocols:
+        print(f"peers: {PROTOCOLS[protocol]} (logs in {log_dir}) ...", file=sys.stderr)
+        sides.append(await run_yuxi(opts, log_dir, protocol))
     if not opts.skip_dbos:
         print("peers: DBOS ...", file=sys.stderr)
         sides.append(await run_dbos(opts, log_dir))
@@ -349,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dbos-database-url", default=os.environ.get("YUXI_PEERS_DBOS_DATABASE_URL",
                                                                  DEFAULT_DBOS_URL))
     p.add_argument("--skip-dbos", action="store_true")
+    p.add_argument("--yuxi-protocol", choices=["wait", "sse", "both"], default="both")
     opts = p.parse_args(argv)
     return asyncio.run(main_async(opts))
 

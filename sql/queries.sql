@@ -118,7 +118,8 @@ FROM yuxi.runs WHERE turn_id = %(turn_id)s
 ORDER BY slot_seq;
 
 -- name: turn_result
-SELECT t.id AS turn_id, t.status, t.result_run_id AS run_id, r.output,
+-- tree_id: what a blocking read (?wait) subscribes to, in the same read.
+SELECT t.id AS turn_id, t.tree_id, t.status, t.result_run_id AS run_id, r.output,
        coalesce(r.error, t.error) AS error
 FROM yuxi.turns t
 LEFT JOIN yuxi.runs r ON r.id = t.result_run_id AND r.turn_id = t.id
@@ -435,7 +436,3 @@ SELECT coalesce(sum(r.prompt_tokens), 0)::bigint AS prompt_tokens,
 FROM yuxi.sessions s JOIN yuxi.turns t ON t.session_id = s.id
 JOIN yuxi.runs r ON r.turn_id = t.id
 WHERE s.tree_id = %(tree_id)s AND s.user_id = %(user_id)s AND s.app_id = %(app_id)s;
-
--- name: get_turn_tree
-SELECT t.tree_id FROM yuxi.turns t
-WHERE t.id = %(id)s AND t.user_id = %(user_id)s AND t.app_id = %(app_id)s;

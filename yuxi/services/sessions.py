@@ -244,20 +244,18 @@ async def wait_result(pool: AsyncConnectionPool, hub: Any, scope: Scope, turn_id
     """The turn's result as soon as it is terminal, or as it stands after
     `wait` seconds (at most 60). Woken by the tree's event notifications
     (the API process's one LISTEN connection), never by polling."""
-    result = await get_result(pool, scope, turn_id)
-    if result.status in TERMINAL_TURN or wait <= 0:
-        return result
-    async with pool.connection() as conn:
-        row = await db.fetch_one(conn, "get_turn_tree", {**scope.params(), "id": turn_id})
+    row = await _result_row(pool, scope, turn_id)
+    if row["status"] in TERMINAL_TURN or wait <= 0:
+        return from_row(TurnResult, row)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + min(wait, MAX_WAIT_SECONDS)
     with hub.subscribe(str(row["tree_id"])) as wake:
         while True:
             wake.clear()  # before reading: a NOTIFY during the read wakes us again
-            result = await get_result(pool, scope, turn_id)
+            row = await _result_row(pool, scope, turn_id)
             left = deadline - loop.time()
-            if result.status in TERMINAL_TURN or left <= 0:
-                return result
+            if row["status"] in TERMINAL_TURN or left <= 0:
+                return from_row(TurnResult, row)
             try:
                 await asyncio.wait_for(wake.wait(), timeout=left)
             except TimeoutError:
@@ -339,11 +337,15 @@ async def answer_turn(pool: AsyncConnectionPool, scope: Scope, turn_id: uuid.UUI
 
 async def get_result(pool: AsyncConnectionPool, scope: Scope, turn_id: uuid.UUID) -> TurnResult:
     """The exact result of a turn, read through its result_run_id."""
+    return from_row(TurnResult, await _result_row(pool, scope, turn_id))
+
+
+async def _result_row(pool: AsyncConnectionPool, scope: Scope, turn_id: uuid.UUID) -> dict:
     async with pool.connection() as conn:
         row = await db.fetch_one(conn, "turn_result", {**scope.params(), "id": turn_id})
     if row is None:
         raise NotFound(f"turn {turn_id} not found", turn_id=turn_id)
-    return from_row(TurnResult, row)
+    return row
 
 
 async def cancel_turn(pool: AsyncConnectionPool, scope: Scope, turn_id: uuid.UUID,
