@@ -298,8 +298,7 @@ async def run_dbos(opts: Any, log_dir: Path) -> Side:
                 await asyncio.sleep(0.2)
         client = DbosClient(base, opts.clients)
         try:
-            turn = client.turn_wait if protocol == "wait" else client.turn_sse
-            await measure_side(side, turn, client.sessions, opts, [proc.pid],
+            await measure_side(side, client.turn, client.sessions, opts, [proc.pid],
                                opts.dbos_database_url)
         finally:
             await client.aclose()
