@@ -115,11 +115,13 @@ async def drive(turn_fn: Any, sessions: list[str], n: int, clients: int) -> tupl
 
 
 async def measure_side(side: Side, turn_fn: Any, make_sessions: Any, opts: Any,
-                       server_pids: list[int], url: str) -> None:
+                       server_pids: list[int], url: str, *, client: bool = True) -> None:
+    """`client`: the load generator is this process, apart from the server
+    processes (the direct side is this process: no client apart)."""
     warm = await make_sessions(WARMUP)
     await drive(turn_fn, warm, WARMUP, opts.clients)
     sessions = await make_sessions(opts.sessions)
-    pids = {"server processes": server_pids, "client": os.getpid()}
+    pids = {"server processes": server_pids, "client": os.getpid() if client else []}
     before = CpuSnapshot.take(pids, await backend_pids(url))
     side.elapsed, side.latencies_ms = await asyncio.wait_for(
         drive(turn_fn, sessions, opts.turns, opts.clients), opts.timeout)
@@ -229,6 +231,32 @@ async def run_yuxi(opts: Any, log_dir: Path, protocol: str) -> Side:
 
 
 # --------------------------------------------------------------------------
+# The bare graph
+
+
+async def run_direct(opts: Any, name: str) -> Side:
+    """The same graph in this process, no HTTP and no queue (as benchmarks.run's
+    direct side: a plain saver per invocation on a pool like the worker's), on
+    Yuxi's database; the reference of the sequential-latency target."""
+    side = Side(name)
+    run_opts = bench.parse_args(["--database-url", opts.database_url,
+                                 "--concurrency", str(opts.clients)])
+    async with bench.DirectGraph(run_opts) as direct:
+        locks: dict[str, asyncio.Lock] = {}
+
+        async def turn(_c: int, session: str, text: str) -> None:
+            async with locks.setdefault(session, asyncio.Lock()):  # a thread's turns in order
+                await direct.invoke_text(session, text)
+
+        async def sessions(n: int) -> list[str]:
+            return [str(uuid.uuid4()) for _ in range(n)]
+
+        await measure_side(side, turn, sessions, opts, [os.getpid()], opts.database_url,
+                           client=False)
+    return side
+
+
+# --------------------------------------------------------------------------
 # DBOS
 
 
@@ -312,7 +340,7 @@ async def run_dbos(opts: Any, log_dir: Path) -> Side:
 # --------------------------------------------------------------------------
 
 
-def report(opts: Any, sides: list[Side]) -> str:
+def report(opts: Any, sides: list[Side], direct: list[Side]) -> str:
     lines = [f"Peers' workload: {opts.turns} turns over {opts.sessions} sessions by "
              f"{opts.clients} HTTP clients; sequential: {opts.sequential} turns by one "
              f"client; {os.cpu_count()} vCPUs", "",
@@ -320,7 +348,7 @@ def report(opts: Any, sides: list[Side]) -> str:
              "machine busy (cores) | CPU ms per turn: server processes + PostgreSQL "
              "backends (client) | turns/s per core of that CPU |",
              "|---|---|---|---|---|---|---|---|"]
-    for s in sides:
+    for s in [direct[0], *sides, direct[-1]]:
         if s.error:
             lines.append(f"| {s.name} | failed: {s.error.splitlines()[0]} | | | | | | |")
             continue
@@ -339,6 +367,12 @@ def report(opts: Any, sides: list[Side]) -> str:
                       f"ratio={lr:.2f} (target <= 0.5: {'met' if lr <= 0.5 else 'NOT met'}); "
                       f"CPU per turn yuxi={yuxi.server_ms:.1f} ms dbos={peer.server_ms:.1f} ms "
                       f"(capacity ratio {peer.server_ms / yuxi.server_ms:.2f})"]
+    if not yuxi.error:
+        base = statistics.mean(d.seq_p50 for d in direct)
+        dr = yuxi.seq_p50 / base
+        lines += ["", f"sequential p50: {yuxi.name} {yuxi.seq_p50:.1f} ms, the bare graph "
+                      f"{' and '.join(f'{d.seq_p50:.1f}' for d in direct)} ms (start, end): "
+                      f"ratio={dr:.2f} (target <= 2: {'met' if dr <= 2 else 'NOT met'})"]
     for s in sides:
         if s.error:
             lines += ["", f"{s.name} failed:", s.error]
@@ -348,14 +382,20 @@ def report(opts: Any, sides: list[Side]) -> str:
 async def main_async(opts: Any) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="yuxi-peers-"))
     protocols = ["wait", "sse"] if opts.yuxi_protocol == "both" else [opts.yuxi_protocol]
+    # The bare graph at the start and at the end (this machine's speed drifts).
+    print("peers: the bare graph ...", file=sys.stderr)
+    await bench.fresh_database(opts.database_url)
+    first = await run_direct(opts, "bare graph, in-process (start)")
     sides = []
     for protocol in protocols:
         print(f"peers: {PROTOCOLS[protocol]} (logs in {log_dir}) ...", file=sys.stderr)
         sides.append(await run_yuxi(opts, log_dir, protocol))
+    print("peers: the bare graph again ...", file=sys.stderr)
+    last = await run_direct(opts, "bare graph, in-process (end)")
     if not opts.skip_dbos:
         print("peers: DBOS ...", file=sys.stderr)
         sides.append(await run_dbos(opts, log_dir))
-    print(report(opts, sides))
+    print(report(opts, sides, [first, last]))
     return 0
 
 

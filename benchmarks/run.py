@@ -726,6 +726,10 @@ class DirectGraph:
         return len(indexes) / (time.perf_counter() - began)
 
     async def _invoke_on(self, thread_id: str, i: int) -> None:
+        await self.invoke_text(thread_id, f"turn {i}")
+
+    async def invoke_text(self, thread_id: str, text: str) -> None:
+        """One turn of `text` on the thread (checked: the answer is `ok <text>`)."""
         AIMessage, HumanMessage, SystemMessage = (self.AIMessage, self.HumanMessage,
                                                   self.SystemMessage)
         config = self.config
@@ -744,13 +748,13 @@ class DirectGraph:
                "recursion_limit": 2 * int(config["max_steps"]) + 2}
         out = await graph.ainvoke(
             {"messages": [HumanMessage(
-                content=f"turn {i}", id=f"input:{uuid.uuid4()}",
+                content=text, id=f"input:{uuid.uuid4()}",
                 # The worker's turn marker (yuxi.runtime.executor.input_message).
                 additional_kwargs={"yuxi": {"turn_start": True}})]},
             cfg, durability="sync")
         last = out["messages"][-1]
-        if not isinstance(last, AIMessage) or last.text != f"ok turn {i}":
-            raise RuntimeError(f"direct run {i}: unexpected answer {last!r}")
+        if not isinstance(last, AIMessage) or last.text != f"ok {text}":
+            raise RuntimeError(f"direct run of {text!r}: unexpected answer {last!r}")
 
 
 class DirectProcess:
