@@ -23,10 +23,15 @@ CREATE TABLE yuxi.sandboxes (
 CREATE INDEX sandboxes_idle_idx ON yuxi.sandboxes (last_activity_at) WHERE status = 'active';
 
 -- Background processes started in a sandbox generation (killed on release).
+-- `identity` (the host's boot id and the process's start time) tells the
+-- recorded process from a later one that reuses its pid: a holder that died
+-- and was replaced in the same generation leaves its row, and the release
+-- must not kill whatever got that pid since.
 CREATE TABLE yuxi.sandbox_processes (
     tree_id uuid NOT NULL REFERENCES yuxi.sandboxes (tree_id),
     generation integer NOT NULL,
     pid integer NOT NULL,
+    identity text NOT NULL,
     run_id uuid NOT NULL REFERENCES yuxi.runs (id),
     command text NOT NULL,
     started_at timestamptz NOT NULL DEFAULT now(),

@@ -344,11 +344,11 @@ ORDER BY last_activity_at LIMIT 100;
 SELECT yuxi.begin_sandbox_release_v1(%(tree_id)s, %(now)s, %(idle)s) AS generation;
 
 -- name: sandbox_processes
-SELECT pid FROM yuxi.sandbox_processes WHERE tree_id = %(tree_id)s AND generation = %(generation)s;
+SELECT pid, identity FROM yuxi.sandbox_processes WHERE tree_id = %(tree_id)s AND generation = %(generation)s;
 
 -- name: record_sandbox_process
-INSERT INTO yuxi.sandbox_processes (tree_id, generation, pid, run_id, command)
-SELECT r.tree_id, %(generation)s, %(pid)s, r.id, %(command)s FROM yuxi.runs r
+INSERT INTO yuxi.sandbox_processes (tree_id, generation, pid, identity, run_id, command)
+SELECT r.tree_id, %(generation)s, %(pid)s, %(identity)s, r.id, %(command)s FROM yuxi.runs r
 WHERE r.id = %(run_id)s AND r.lease_token = %(token)s AND r.status = 'running';
 
 -- name: check_grant

@@ -245,3 +245,50 @@ async def test_without_the_turns_own_intent_a_members_command_is_stopped(
     own, other, marks, _ = await _cancel_one_of_two_commands(pool, alice[1], tmp_path)
     assert own["cancelled"] and other["cancelled"]
     assert marks == []
+
+
+def _process_group_leader() -> "subprocess.Popen":
+    import subprocess
+    return subprocess.Popen(["sleep", "300"], start_new_session=True)
+
+
+async def test_the_release_kills_the_recorded_process_group(pool, alice, tmp_path):
+    run, token, box = await _run_with_sandbox(pool, alice[1], tmp_path)
+    proc = _process_group_leader()
+    try:
+        identity = sandbox.process_identity(proc.pid)
+        assert identity is not None
+        async with pool.connection() as conn:
+            await conn.execute(
+                "INSERT INTO yuxi.sandbox_processes (tree_id, generation, pid, identity, run_id,"
+                " command) VALUES (%s, %s, %s, %s, %s, 'sleep 300')",
+                (run["tree_id"], box.generation, proc.pid, identity, run["id"]))
+        await runs.complete(pool, run["id"], token, {"text": "done"})
+        assert await sandbox.release_idle(pool, tmp_path, now=at(6)) == [run["tree_id"]]
+        assert proc.wait(timeout=10) == -9
+    finally:
+        proc.kill()
+
+
+async def test_the_release_spares_a_process_that_reused_a_recorded_pid(pool, alice, tmp_path):
+    # The recorded process ended and its pid now belongs to another one (its
+    # start time differs): killing that pid's group would hit a stranger.
+    run, token, box = await _run_with_sandbox(pool, alice[1], tmp_path)
+    stranger = _process_group_leader()
+    try:
+        boot = sandbox.process_identity(stranger.pid).split(":")[0]
+        sandbox.release_files_and_processes(box, [(stranger.pid, f"{boot}:1")])
+        assert stranger.poll() is None
+        # The same call with the process's own identity kills it.
+        sandbox.release_files_and_processes(box, [(stranger.pid,
+                                                   sandbox.process_identity(stranger.pid))])
+        assert stranger.wait(timeout=10) == -9
+    finally:
+        stranger.kill()
+
+
+def test_an_ended_process_has_no_identity():
+    proc = _process_group_leader()
+    proc.kill()
+    proc.wait()
+    assert sandbox.process_identity(proc.pid) is None

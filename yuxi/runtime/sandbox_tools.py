@@ -19,7 +19,7 @@ from typing import Any
 from yuxi import db
 from yuxi.runtime import confine
 from yuxi.runtime.tools import Tool, ToolContext, ToolError, register
-from yuxi.services import runs
+from yuxi.services import runs, sandbox
 
 MAX_OUTPUT = 64 * 1024
 MAX_READ = 256 * 1024
@@ -55,9 +55,13 @@ def _recorder(ctx: ToolContext, box: Any):
     """Records a process group of the sandbox (killed at its release),
     fenced by the run's lease."""
     async def record(pid: int, command: str) -> None:
+        identity = sandbox.process_identity(pid)
+        if identity is None:  # it has ended already: nothing to kill later
+            return
         async with ctx.pool.connection() as conn:
             await db.execute(conn, "record_sandbox_process", {
-                "generation": box.generation, "pid": pid, "run_id": ctx.run_id,
+                "generation": box.generation, "pid": pid, "identity": identity,
+                "run_id": ctx.run_id,
                 "token": ctx.token, "command": command})
     return record
 

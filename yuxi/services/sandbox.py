@@ -71,10 +71,29 @@ async def touch(pool: AsyncConnectionPool, tree_id: uuid.UUID, *, now: Clock = u
         await db.execute(conn, "touch_sandbox", {"tree_id": tree_id, "now": now()})
 
 
-def release_files_and_processes(box: Sandbox, pids: list[int]) -> None:
+def process_identity(pid: int) -> str | None:
+    """What tells this process from a later one with the same pid: the
+    host's boot id and the process's start time (clock ticks since boot,
+    field 22 of /proc/<pid>/stat). None when no such process runs."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # The command name (field 2) may hold spaces and parentheses.
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except (OSError, IndexError):
+        return None
+    return f"{boot}:{fields[19]}"
+
+
+def release_files_and_processes(box: Sandbox, processes: list[tuple[int, str]]) -> None:
     """The releaser: kill the generation's background processes (their
-    process groups) and delete its temp area. The workdir stays."""
-    for pid in pids:
+    process groups: the recorded pid leads its group) and delete its temp
+    area. The workdir stays. A pid whose process is not the recorded one
+    any more (it ended and the pid was reused) is left alone."""
+    for pid, identity in processes:
+        if process_identity(pid) != identity:
+            continue
         try:
             os.killpg(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -100,8 +119,8 @@ async def release_idle(pool: AsyncConnectionPool, data_dir: str | Path, *, now: 
                                      {"tree_id": tree_id, "now": at, "idle": IDLE})
             if row["generation"] is None:
                 continue
-            pids = [r["pid"] for r in await db.fetch_all(
+            processes = [(r["pid"], r["identity"]) for r in await db.fetch_all(
                 conn, "sandbox_processes", {"tree_id": tree_id, "generation": row["generation"]})]
-            releaser(locate(data_dir, tree_id, row["generation"]), pids)
+            releaser(locate(data_dir, tree_id, row["generation"]), processes)
         released.append(tree_id)
     return released
