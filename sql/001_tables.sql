@@ -38,6 +38,9 @@ CREATE TABLE yuxi.api_keys (
     key_prefix text NOT NULL,
     created_at timestamptz NOT NULL DEFAULT now(),
     revoked_at timestamptz,
+    -- NULL: until revoked (API keys). A web sign-in's minted key expires with
+    -- its cookie, so one abandoned without signing out stops working too.
+    expires_at timestamptz,
     CONSTRAINT api_keys_hash_is_sha256 CHECK (length(key_hash) = 32)
 );
 CREATE INDEX api_keys_user_app_idx ON yuxi.api_keys (user_id, app_id);

@@ -14,13 +14,15 @@ ON CONFLICT (name) DO UPDATE SET name = EXCLUDED.name
 RETURNING id;
 
 -- name: insert_api_key
-INSERT INTO yuxi.api_keys (user_id, app_id, key_hash, key_prefix)
-VALUES (%(user_id)s, %(app_id)s, %(key_hash)s, %(key_prefix)s)
+INSERT INTO yuxi.api_keys (user_id, app_id, key_hash, key_prefix, expires_at)
+VALUES (%(user_id)s, %(app_id)s, %(key_hash)s, %(key_prefix)s,
+        now() + make_interval(secs => %(lifetime_seconds)s::double precision))
 RETURNING id;
 
 -- name: authenticate
 SELECT user_id, app_id FROM yuxi.api_keys
-WHERE key_hash = %(key_hash)s AND revoked_at IS NULL;
+WHERE key_hash = %(key_hash)s AND revoked_at IS NULL
+  AND (expires_at IS NULL OR expires_at > now());
 
 -- name: revoke_api_key
 UPDATE yuxi.api_keys SET revoked_at = now()

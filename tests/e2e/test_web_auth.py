@@ -81,3 +81,21 @@ async def test_ui_is_served_at_root_and_client_routes(api):
         assert "https://cdn" not in script.text and "unpkg" not in script.text
         assert (await anon.get("/static/app.css")).status_code == 200
         assert (await anon.get("/api/models")).status_code == 401
+
+
+async def test_the_minted_key_expires_with_its_cookie(api, alice, pg):
+    # A browser that never signs out must not leave a key that works forever:
+    # the minted key's row expires when the cookie does (Max-Age).
+    from yuxi.api.web import COOKIE_MAX_AGE
+    from yuxi.services.accounts import hash_key
+
+    async with httpx.AsyncClient(base_url=api, timeout=10) as browser:
+        ok(await browser.post("/api/auth/session", json={"key": alice[0]},
+                              headers={"X-Yuxi-CSRF": "x"}))
+        minted = browser.cookies["yuxi_session"]
+    left = pg.scalar("SELECT extract(epoch FROM expires_at - now()) FROM yuxi.api_keys"
+                     " WHERE key_hash = %s", (hash_key(minted),))
+    assert COOKIE_MAX_AGE - 60 < left <= COOKIE_MAX_AGE
+    # The key the user signed in with (an API key) does not expire.
+    assert pg.scalar("SELECT expires_at FROM yuxi.api_keys WHERE key_hash = %s",
+                     (hash_key(alice[0]),)) is None

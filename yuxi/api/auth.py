@@ -5,7 +5,7 @@ A key maps to one (user, app) scope. Programs send `Authorization: Bearer
 the server checks the key and mints a *new* key of the same scope that lives
 only in an HttpOnly, SameSite=Strict cookie (`yuxi_session`), so the page's
 JavaScript never holds a key after sign-in; signing out revokes that minted
-key. Cookie-authenticated requests that change state must repeat the
+key, and it expires with its cookie (api_keys.expires_at) when nobody does. Cookie-authenticated requests that change state must repeat the
 `yuxi_csrf` cookie (readable by the page, SameSite=Strict) in the
 `X-Yuxi-CSRF` header (double submit): a cross-site page can neither read the
 cookie nor send the header.

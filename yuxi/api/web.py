@@ -66,7 +66,10 @@ async def sign_in(request: Request, data: JSONBody[SignIn]) -> Response[dict[str
     scope = await scope_of_key(request, data.key.strip())
     if scope is None:
         raise NotAuthorizedException("invalid API key")
-    minted = await accounts.create_key_for_scope(request.app.state.pool, scope)
+    # The minted key expires with its cookie: a browser that never signs out
+    # leaves no key that works forever.
+    minted = await accounts.create_key_for_scope(request.app.state.pool, scope,
+                                                 COOKIE_MAX_AGE)
     csrf = secrets.token_urlsafe(24)
     return Response({"user_id": str(scope.user_id), "app_id": str(scope.app_id)},
                     cookies=_cookies(request, minted, csrf, COOKIE_MAX_AGE))

@@ -46,17 +46,21 @@ async def create_key(pool: AsyncConnectionPool, user: str, app: str) -> tuple[st
         await db.execute(
             conn,
             "insert_api_key",
-            {**scope.params(), "key_hash": hash_key(key), "key_prefix": key[:8]},
+            {**scope.params(), "key_hash": hash_key(key), "key_prefix": key[:8],
+             "lifetime_seconds": None},
         )
     return key, scope
 
 
-async def create_key_for_scope(pool: AsyncConnectionPool, scope: Scope) -> str:
-    """A new key of an existing scope (the web UI's sign-in cookie holds one)."""
+async def create_key_for_scope(pool: AsyncConnectionPool, scope: Scope,
+                               lifetime_seconds: float) -> str:
+    """A new key of an existing scope that stops working after
+    `lifetime_seconds` (the web UI's sign-in cookie holds one)."""
     key = KEY_PREFIX + secrets.token_urlsafe(32)
     async with db.transaction(pool) as conn:
         await db.execute(conn, "insert_api_key",
-                         {**scope.params(), "key_hash": hash_key(key), "key_prefix": key[:8]})
+                         {**scope.params(), "key_hash": hash_key(key), "key_prefix": key[:8],
+                          "lifetime_seconds": lifetime_seconds})
     return key
 
 
