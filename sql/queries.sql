@@ -439,3 +439,28 @@ WHERE s.tree_id = %(tree_id)s AND s.user_id = %(user_id)s AND s.app_id = %(app_i
 -- name: get_turn_tree
 SELECT t.tree_id FROM yuxi.turns t
 WHERE t.id = %(id)s AND t.user_id = %(user_id)s AND t.app_id = %(app_id)s;
+
+-- Conversation (sql/140_conversation.sql) ------------------------------------
+
+-- name: archive_conversation
+SELECT yuxi.archive_conversation_v1(%(run_id)s, %(token)s, %(ids)s, %(turns)s, %(serde)s,
+                                    %(messages)s) AS archived;
+
+-- The archived history a run gives its model: one index range scan.
+-- name: conversation_history
+SELECT serde, message FROM yuxi.conversation
+WHERE session_id = %(session_id)s ORDER BY position;
+
+-- A page of the archive, newest first, before a position (the keyset
+-- cursor; the caller passes the largest integer for "from the end"): a
+-- backward range scan of the primary key, `limit` rows.
+-- name: conversation_page
+SELECT position, message_id, serde, message FROM yuxi.conversation
+WHERE session_id = %(session_id)s AND position < %(before)s
+ORDER BY position DESC LIMIT %(limit)s;
+
+-- The archive's last row: where the checkpoint's messages continue, and
+-- whether they are archived already.
+-- name: conversation_last
+SELECT position, message_id FROM yuxi.conversation
+WHERE session_id = %(session_id)s ORDER BY position DESC LIMIT 1;
