@@ -442,14 +442,12 @@ WHERE t.id = %(id)s AND t.user_id = %(user_id)s AND t.app_id = %(app_id)s;
 
 -- Conversation (sql/140_conversation.sql) ------------------------------------
 
+-- Archive what an earlier turn left in the checkpoint (if anything) and
+-- read the history a run gives its model: one round trip, one index range
+-- scan.
 -- name: archive_conversation
-SELECT yuxi.archive_conversation_v1(%(run_id)s, %(token)s, %(ids)s, %(turns)s, %(serde)s,
-                                    %(messages)s) AS archived;
-
--- The archived history a run gives its model: one index range scan.
--- name: conversation_history
-SELECT serde, message FROM yuxi.conversation
-WHERE session_id = %(session_id)s ORDER BY position;
+SELECT serde, message FROM yuxi.archive_conversation_v1(
+    %(run_id)s, %(token)s, %(ids)s, %(turns)s, %(serde)s, %(messages)s);
 
 -- A page of the archive, newest first, before a position (the keyset
 -- cursor; the caller passes the largest integer for "from the end"): a

@@ -192,8 +192,8 @@ async def test_without_the_archive_check_a_retry_doubles_the_history(
     run = await runs.start_run(pool, run_id, token, 30)
     async with fenced_saver(checkpoint_pool, run_id, token) as saver:
         batch = await _checkpoint_messages(checkpoint_pool, session.id)
-        await conversation.archive(saver.conn, run_id, token, batch)
-        await conversation.archive(saver.conn, run_id, token, batch)
+        await conversation.archive_and_load(saver.conn, run_id, token, batch)
+        await conversation.archive_and_load(saver.conn, run_id, token, batch)
     assert await scalar(pool, "SELECT count(*) FROM yuxi.conversation") == 4
 
 
@@ -210,7 +210,7 @@ async def test_without_the_reader_check_a_crash_window_shows_messages_twice(
     await runs.start_run(pool, run_id, token, 30)
     async with fenced_saver(checkpoint_pool, run_id, token) as saver:
         batch = await _checkpoint_messages(checkpoint_pool, session.id)
-        await conversation.archive(saver.conn, run_id, token, batch)
+        await conversation.archive_and_load(saver.conn, run_id, token, batch)
     assert len(await conversation.messages(checkpoint_pool, session.id)) == 2
     monkeypatch.setattr(conversation, "unarchived", lambda messages, last: list(messages))
     assert len(await conversation.messages(checkpoint_pool, session.id)) == 4
@@ -227,7 +227,7 @@ async def test_the_archive_is_fenced_by_the_lease(pool, checkpoint_pool, alice):
     batch = await _checkpoint_messages(checkpoint_pool, session.id)
     async with checkpoint_pool.connection() as conn:
         with pytest.raises(LeaseLost):
-            await conversation.archive(conn, run_id, uuid.uuid4(), batch)
+            await conversation.archive_and_load(conn, run_id, uuid.uuid4(), batch)
     assert await scalar(pool, "SELECT count(*) FROM yuxi.conversation") == 0
 
 

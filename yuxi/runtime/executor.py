@@ -255,10 +255,9 @@ class TurnConversation:
         """Archive `earlier` (messages of earlier turns still in the
         checkpoint; must commit before the checkpoint that drops them), then
         give the graph the history, once per run."""
-        if earlier:
-            await conversation.archive(self.conn, self.run["id"], self.token, earlier)
         if earlier or not self.loaded:
-            set_history(graph, await conversation.history(self.conn, self.run["session_id"]))
+            set_history(graph, await conversation.archive_and_load(
+                self.conn, self.run["id"], self.token, earlier))
             self.loaded = True
 
 

@@ -58,33 +58,26 @@ def _turn_of(message: BaseMessage) -> str | None:
     return None
 
 
-async def archive(conn: psycopg.AsyncConnection, run_id: uuid.UUID, token: uuid.UUID,
-                  messages: Sequence[BaseMessage]) -> int:
-    """Archive the messages an earlier turn left in the checkpoint (fenced
-    by the run's lease; a batch archived already is not written twice).
-    Must commit before the checkpoint that forgets them. Returns the rows
-    written."""
-    if not messages:
-        return 0
+async def archive_and_load(conn: psycopg.AsyncConnection, run_id: uuid.UUID,
+                           token: uuid.UUID, earlier: Sequence[BaseMessage] = (),
+                           ) -> list[BaseMessage]:
+    """Archive `earlier`, the messages an earlier turn left in the checkpoint
+    (fenced by the run's lease; a batch archived already is not written
+    twice; must commit before the checkpoint that forgets them), and return
+    the archived conversation, oldest first: what the run's model sees
+    before the checkpoint's messages. One round trip."""
     ids, turns, serdes, blobs = [], [], [], []
     turn: str | None = None
-    for message in messages:
+    for message in earlier:
         turn = _turn_of(message) or turn
         serde, data = _SERDE.dumps_typed(message)
         ids.append(message.id)
         turns.append(uuid.UUID(turn) if turn else None)
         serdes.append(serde)
         blobs.append(data)
-    row = await db.fetch_one(conn, "archive_conversation", {
+    rows = await db.fetch_all(conn, "archive_conversation", {
         "run_id": run_id, "token": token, "ids": ids, "turns": turns, "serde": serdes,
         "messages": blobs})
-    return int(row["archived"] if isinstance(row, dict) else row[0])
-
-
-async def history(conn: psycopg.AsyncConnection, session_id: uuid.UUID) -> list[BaseMessage]:
-    """The archived conversation, oldest first (what a run's model sees
-    before the checkpoint's messages)."""
-    rows = await db.fetch_all(conn, "conversation_history", {"session_id": session_id})
     return [_load(r["serde"], r["message"]) for r in rows]
 
 
