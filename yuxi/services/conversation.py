@@ -108,16 +108,26 @@ async def messages(checkpoint_pool: AsyncConnectionPool, session_id: uuid.UUID, 
     the last `limit` messages before position `before` (all of them when
     `limit` is None). Reads `limit` archive rows by a primary-key range and,
     only when the page reaches past the archive, the latest checkpoint (one
-    turn's messages): O(page), never O(history)."""
+    turn's messages): O(page), never O(history).
+
+    The checkpoint is read before the archive's last row: a run archives a
+    batch before the checkpoint that forgets it, so a checkpoint read first
+    is either archived by then (its last message is the last row: skipped)
+    or not (the archive has not grown past it); read the other way round, a
+    turn starting in between would hide the batch it archived."""
     bound = END if before is None else before
     async with checkpoint_pool.connection() as conn:
+        checkpoint: list[BaseMessage] | None = None
+        if before is None:
+            checkpoint = await _checkpoint_messages(checkpoint_pool, session_id)
         last = await db.fetch_one(conn, "conversation_last", {"session_id": session_id})
+        if checkpoint is None and bound > (last["position"] if last else 0) + 1:
+            checkpoint = await _checkpoint_messages(checkpoint_pool, session_id)
+            last = await db.fetch_one(conn, "conversation_last", {"session_id": session_id})
         archived = last["position"] if last else 0
-        tail: list[dict] = []
-        if bound > archived + 1:
-            pending = unarchived(await _checkpoint_messages(checkpoint_pool, session_id), last)
-            tail = [message_json(m, archived + i) for i, m in enumerate(pending, 1)
-                    if archived + i < bound]
+        pending = unarchived(checkpoint or [], last)
+        tail = [message_json(m, archived + i) for i, m in enumerate(pending, 1)
+                if archived + i < bound]
         if limit is not None:
             tail = tail[-limit:]
         want = None if limit is None else limit - len(tail)
