@@ -391,3 +391,36 @@ async def test_without_the_key_a_page_reads_the_history(pool, alice):
     plan = await _page_plan(pool, alice[1], drop_key=True)
     assert "Index Scan Backward using conversation_pkey" not in plan, plan
     assert "Seq Scan" in plan and "Sort" in plan, plan
+
+
+async def test_a_turn_given_up_by_recovery_keeps_what_it_did(pool, checkpoint_pool, alice):
+    # The worker dies after the tool step; recovery gives up (no worker ever
+    # ends the turn): the next turn archives the checkpoint's partial turn.
+    import asyncio
+
+    from tests.integration import gated
+    scope = alice[1]
+    config = {"model": "gated", "tools": ["echo"], "replay": {"default": [
+        {"call": [{"tool": "echo", "args": {"text": "once"}}]}, {"say": "done"}]}}
+    with gated.gated_model() as gate:
+        session, receipt, first = await gated.start_run(pool, checkpoint_pool, scope, config, "a")
+        await gate.calls.get()
+        (run_id,) = await runs_with_status(pool, "running")
+        gate.pass_waiting()  # the tool call; the model's next call waits
+        await gate.calls.get()
+        first.cancel()  # the worker dies under its lease
+        await asyncio.gather(first, return_exceptions=True)
+        await scalar(pool, "UPDATE yuxi.runs SET lease_expires_at = clock_timestamp() "
+                           "- interval '1 s' WHERE id = %s RETURNING id", (run_id,))
+        await runs.recover_expired(pool, max_attempts=1)
+        assert await scalar(pool, "SELECT status FROM yuxi.turns WHERE id = %s",
+                            (receipt.turn_id,)) == "failed"
+        partial = _summary(await conversation.messages(checkpoint_pool, session.id))
+        assert [r for r, _ in partial] == ["human", "ai", "tool"]
+        gate.opened.set()
+        await sessions.receive_input(pool, scope, session.id, content="b")
+        assert await drain(pool, checkpoint_pool) == ["completed"]
+    history = _summary(await conversation.messages(checkpoint_pool, session.id))
+    assert history[:3] == partial and history[3] == ("human", "b") and len(history) == 7
+    assert history[-1] == ("ai", "done")
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.conversation") == 3
