@@ -44,9 +44,11 @@ CREATE TABLE yuxi.conversation (
 -- after a crash between this commit and the checkpoint's reset) and nothing
 -- is written. Only the leased run of the session's turn writes here, so no
 -- two writers race for positions. With empty arrays it only reads (and
--- takes no lock).
+-- takes no lock); without p_load it returns nothing (a worker that handed
+-- the run over to itself knows the history already).
 CREATE FUNCTION yuxi.archive_conversation_v1(
-    p_run uuid, p_token uuid, p_ids text[], p_turns uuid[], p_serde text[], p_messages bytea[]
+    p_run uuid, p_token uuid, p_ids text[], p_turns uuid[], p_serde text[], p_messages bytea[],
+    p_load boolean DEFAULT true
 ) RETURNS TABLE (serde text, message bytea)
     LANGUAGE plpgsql AS $$
 DECLARE
@@ -71,7 +73,9 @@ BEGIN
           FROM unnest(p_ids, p_turns, p_serde, p_messages) WITH ORDINALITY
                AS m(id, turn, serde, message, n);
     END IF;
-    RETURN QUERY SELECT c.serde, c.message FROM yuxi.conversation c
-                  WHERE c.session_id = v_session ORDER BY c.position;
+    IF p_load THEN
+        RETURN QUERY SELECT c.serde, c.message FROM yuxi.conversation c
+                      WHERE c.session_id = v_session ORDER BY c.position;
+    END IF;
 END;
 $$;

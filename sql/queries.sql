@@ -447,7 +447,7 @@ WHERE t.id = %(id)s AND t.user_id = %(user_id)s AND t.app_id = %(app_id)s;
 -- scan.
 -- name: archive_conversation
 SELECT serde, message FROM yuxi.archive_conversation_v1(
-    %(run_id)s, %(token)s, %(ids)s, %(turns)s, %(serde)s, %(messages)s);
+    %(run_id)s, %(token)s, %(ids)s, %(turns)s, %(serde)s, %(messages)s, %(load)s);
 
 -- A page of the archive, newest first, before a position (the keyset
 -- cursor; the caller passes the largest integer for "from the end"): a

@@ -424,3 +424,34 @@ async def test_a_turn_given_up_by_recovery_keeps_what_it_did(pool, checkpoint_po
     assert history[:3] == partial and history[3] == ("human", "b") and len(history) == 7
     assert history[-1] == ("ai", "done")
     assert await scalar(pool, "SELECT count(*) FROM yuxi.conversation") == 3
+
+
+async def test_handed_over_turns_carry_the_conversation(pool, checkpoint_pool, alice, monkeypatch):
+    # Turns queued behind a running one are handed over to the same worker by
+    # the completion; the worker gives the next run the history and the
+    # final messages it holds (no checkpoint or archive read). The model sees
+    # the same conversation and the archive is the same as without hand-over.
+    scope = alice[1]
+    seen = []
+    real = graph_module.call_chat_model
+
+    def spy(bound, messages, *args):
+        seen.append([m.id for m in messages if not m.id.startswith(("identity:", "system"))])
+        return real(bound, messages, *args)
+
+    monkeypatch.setattr(graph_module, "call_chat_model", spy)
+    session = await new_session(pool, scope, ECHO_TWICE)
+    for word in ("one", "two", "three"):
+        await sessions.receive_input(pool, scope, session.id, content=word, mode="queue")
+    assert await drain(pool, checkpoint_pool) == ["completed"]  # one job, three turns
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.turns WHERE status = 'completed'") == 3
+    history = await conversation.messages(checkpoint_pool, session.id)
+    ids = [m["id"] for m in history]
+    assert _summary(history)[-4:] == [("human", "three"), ("ai", ""),
+                                      ("tool", '{"text":"t-three"}'), ("ai", "a-three")]
+    assert len(history) == 12 and [m["position"] for m in history] == list(range(1, 13))
+    # Each model call saw every earlier message, in order, and nothing twice.
+    assert seen == [ids[:1], ids[:3], ids[:5], ids[:7], ids[:9], ids[:11]], seen
+    archived = await rows(pool, "SELECT message_id FROM yuxi.conversation "
+                                "WHERE session_id = %s ORDER BY position", (session.id,))
+    assert [r["message_id"] for r in archived] == ids[:8]

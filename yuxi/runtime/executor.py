@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import psycopg
@@ -237,29 +237,61 @@ class TurnConversation:
     (yuxi.conversation), loaded once per run, then the checkpoint's messages.
     A turn's checkpoint starts with its input alone: what an earlier turn
     left there is archived first (fenced by the lease, idempotent), then the
-    turn's first checkpoint forgets it (`RESET`)."""
+    turn's first checkpoint forgets it (`RESET`).
+
+    `carry` is what the same worker knows from the session's previous turn
+    when that turn's completion handed this run over (no other writer could
+    run in between): its history and final messages, which are exactly the
+    archive and the checkpoint now; the run then reads neither."""
 
     def __init__(self, conn: psycopg.AsyncConnection, run: dict[str, Any],
-                 token: uuid.UUID) -> None:
-        self.conn, self.run, self.token = conn, run, token
+                 token: uuid.UUID, carry: Carry | None = None) -> None:
+        self.conn, self.run, self.token, self.carry = conn, run, token, carry
         self.loaded = False
+        self.history: list[Any] = []
+        # The checkpoint's messages when the graph last returned.
+        self.final: list[Any] = []
 
-    async def earlier_messages(self, graph: Any, cfg: dict[str, Any]) -> list[Any]:
+    async def earlier_messages(self, graph: Any, cfg: dict[str, Any]) -> list[Any] | None:
         """The messages the latest checkpoint holds (read without building a
-        state snapshot: the turn's input is known not to be among them)."""
+        state snapshot: the turn's input is known not to be among them);
+        None when the thread has no checkpoint (nothing ran in the session,
+        so nothing is archived either)."""
+        if self.carry is not None:
+            return list(self.carry.messages)
         found = await graph.checkpointer.aget_tuple(
             {"configurable": {**cfg["configurable"], "checkpoint_ns": ""}})
-        return list(found.checkpoint["channel_values"].get("messages", [])) if found else []
+        return list(found.checkpoint["channel_values"].get("messages", [])) if found else None
 
-    async def load(self, graph: Any, earlier: list[Any] = ()) -> None:
+    async def load(self, graph: Any, earlier: list[Any] | None = ()) -> None:
         """Archive `earlier` (messages of earlier turns still in the
         checkpoint; must commit before the checkpoint that drops them), then
         give the graph the history, once per run."""
-        if earlier or not self.loaded:
-            set_history(graph, await conversation.archive_and_load(
-                self.conn, self.run["id"], self.token, earlier))
-            self.loaded = True
+        if self.loaded and not earlier:
+            return
+        if earlier is None:  # no checkpoint: a session's first turn
+            self.history = []
+        elif self.carry is not None:
+            await conversation.archive_and_load(self.conn, self.run["id"], self.token,
+                                                earlier, load=False)
+            self.history = [*self.carry.history, *earlier]
+        else:
+            self.history = await conversation.archive_and_load(
+                self.conn, self.run["id"], self.token, earlier or ())
+        set_history(graph, self.history)
+        self.loaded = True
 
+
+class Carry(NamedTuple):
+    """A completed turn's conversation, for the run its completion handed
+    over: the archive the run saw and the messages its checkpoint ends with."""
+
+    history: list[Any]
+    messages: list[Any]
+
+
+# Where a handed-over run's dict holds its Carry.
+CARRY = "_conversation"
 
 # Put first in a turn's input: the checkpoint's messages start over with it.
 RESET = RemoveMessage(id=REMOVE_ALL_MESSAGES)
@@ -313,6 +345,7 @@ async def drive(graph: Any, cfg: dict[str, Any], run: dict[str, Any],
     if values.get("__interrupt__"):
         raise Suspended(list(values["__interrupt__"]))
     messages = values["messages"]
+    conv.final = messages
     return final_answer(messages, first.id), delivered_steers(messages, first.id)
 
 
@@ -530,7 +563,7 @@ class RunExecutor:
                                  in_flight=in_flight)
         extra: list[Any] = []
         resume = run.get("resume")
-        conv = TurnConversation(saver.conn, run, token)
+        conv = TurnConversation(saver.conn, run, token, run.get(CARRY))
         while True:
             try:
                 answer, delivered = await drive(graph, cfg, run, extra, resume, conv=conv)
@@ -560,6 +593,8 @@ class RunExecutor:
                 events=[{"type": type_, "data": data,
                          "dedupe_key": f"{run['turn_id']}:{key}"}], mark=True)
             if outcome != "steer":
+                if following:
+                    following = {**following, CARRY: Carry(conv.history, conv.final)}
                 return outcome, (following, next_token) if following else None
             resume = None
             extra = await SteerInbox(self.pool, run, token).take(

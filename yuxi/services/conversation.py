@@ -59,13 +59,14 @@ def _turn_of(message: BaseMessage) -> str | None:
 
 
 async def archive_and_load(conn: psycopg.AsyncConnection, run_id: uuid.UUID,
-                           token: uuid.UUID, earlier: Sequence[BaseMessage] = (),
-                           ) -> list[BaseMessage]:
+                           token: uuid.UUID, earlier: Sequence[BaseMessage] = (), *,
+                           load: bool = True) -> list[BaseMessage]:
     """Archive `earlier`, the messages an earlier turn left in the checkpoint
     (fenced by the run's lease; a batch archived already is not written
     twice; must commit before the checkpoint that forgets them), and return
     the archived conversation, oldest first: what the run's model sees
-    before the checkpoint's messages. One round trip."""
+    before the checkpoint's messages (`load`: else nothing is read). One
+    round trip."""
     ids, turns, serdes, blobs = [], [], [], []
     turn: str | None = None
     for message in earlier:
@@ -77,7 +78,7 @@ async def archive_and_load(conn: psycopg.AsyncConnection, run_id: uuid.UUID,
         blobs.append(data)
     rows = await db.fetch_all(conn, "archive_conversation", {
         "run_id": run_id, "token": token, "ids": ids, "turns": turns, "serde": serdes,
-        "messages": blobs})
+        "messages": blobs, "load": load})
     return [_load(r["serde"], r["message"]) for r in rows]
 
 
