@@ -271,7 +271,7 @@ class TurnConversation:
             return
         if earlier is None:  # no checkpoint: a session's first turn
             self.history = []
-        elif self.carry is not None:
+        elif self.carry is not None and earlier:
             await conversation.archive_and_load(self.conn, self.run["id"], self.token,
                                                 earlier, load=False)
             self.history = [*self.carry.history, *earlier]
