@@ -1,7 +1,9 @@
 """The agent graph: a model node and one `tool` task per tool call.
 
-The model node's next step depends only on the checkpointed messages (plus the
-run's frozen config), so a resumed or re-executed run behaves identically.
+The model node's next step depends only on the checkpointed messages (the
+turn's), the archived earlier turns (yuxi.conversation: written before the
+turn's first checkpoint, never changed after) and the run's frozen config,
+so a resumed or re-executed run behaves identically.
 """
 
 from __future__ import annotations
