@@ -155,7 +155,9 @@ SELECT yuxi.emit_run_event_v1(%(run_id)s, %(token)s, %(type)s, %(data)s, %(dedup
 -- name: complete_run
 SELECT c.outcome, (c.next_run).*
 FROM yuxi.complete_run_v1(%(run_id)s, %(token)s, %(output)s, %(delivered)s,
-                          %(next_token)s, %(lease_seconds)s, %(events)s, %(mark)s) c;
+                          %(next_token)s, %(lease_seconds)s, %(events)s, %(mark)s,
+                          %(archive_ids)s, %(archive_turns)s, %(archive_serde)s,
+                          %(archive_messages)s) c;
 
 -- name: mark_steers_delivered
 SELECT yuxi.mark_steers_delivered_v1(%(run_id)s, %(token)s, %(input_ids)s) AS marked;

@@ -41,8 +41,8 @@ async def test_storage_per_turn_is_flat_and_history_is_whole(pool, checkpoint_po
     session, sizes = await _bytes_per_turn(pool, checkpoint_pool, alice[1], 50, (10, 20, 40, 50))
     early, late = _growth(sizes)
     # Live checkpoint bytes: one turn's messages at most (earlier turns are
-    # rows of yuxi.conversation), not the history.
-    assert late <= 1.3 * early and late < 4096, (sizes, early, late)
+    # rows of yuxi.conversation), so they hardly change from turn to turn.
+    assert abs(late) < 256 and abs(early) < 256, (sizes, early, late)
     assert await scalar(pool, "SELECT count(*) FROM langgraph.checkpoints "
                               "WHERE thread_id = %s", (str(session.id),)) == 1
     history = await conversation.messages(checkpoint_pool, session.id)

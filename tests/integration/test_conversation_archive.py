@@ -60,14 +60,15 @@ async def test_completed_turns_move_to_the_archive_and_the_model_sees_them_all(
         (role, text) for w in ("one", "two", "three")
         for role, text in (("human", w), ("ai", ""), ("tool", f'{{"text":"t-{w}"}}'), ("ai", f"a-{w}"))]
     assert [m["position"] for m in history] == list(range(1, 13))
-    # The archive holds the first two turns, each row with its turn; the
-    # checkpoint only the last one.
+    # Each completion archived its turn, each row with its turn; the
+    # checkpoint still holds the last turn (until the next one starts) and
+    # readers show it once.
     archived = await rows(pool, "SELECT position, message_id, turn_id FROM yuxi.conversation "
                                 "WHERE session_id = %s ORDER BY position", (session.id,))
-    assert [r["message_id"] for r in archived] == [m["id"] for m in history[:8]]
+    assert [r["message_id"] for r in archived] == [m["id"] for m in history]
     turns = await rows(pool, "SELECT id FROM yuxi.turns WHERE session_id = %s ORDER BY seq",
                        (session.id,))
-    assert [r["turn_id"] for r in archived] == [turns[0]["id"]] * 4 + [turns[1]["id"]] * 4
+    assert [r["turn_id"] for r in archived] == [t["id"] for t in turns for _ in range(4)]
     assert [m.id for m in await _checkpoint_messages(checkpoint_pool, session.id)] == \
         [m["id"] for m in history[8:]]
     # Every model call of the third turn saw the whole conversation so far,
@@ -91,7 +92,8 @@ async def test_a_failed_turn_keeps_its_messages_in_the_conversation(pool, checkp
     await _turn(pool, checkpoint_pool, scope, session, "after")
     after = await conversation.messages(checkpoint_pool, session.id)
     assert _summary(after) == before + [("human", "after"), ("ai", "ok after")]
-    assert await scalar(pool, "SELECT count(*) FROM yuxi.conversation") == len(before)
+    # The failed turn by the next turn's first run, that one by its completion.
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.conversation") == len(before) + 2
 
 
 async def test_a_cancelled_waiting_turn_is_archived_cleaned(pool, checkpoint_pool, alice):
@@ -145,11 +147,21 @@ class _CutSaver:
         return Cut(conn)
 
 
+FAILS_ON_LOOP = {"model": "replay", "tools": ["echo"], "max_steps": 1, "replay": {"rules": [
+    {"match": "^loop", "steps": [{"call": [{"tool": "echo", "args": {"text": "x"}}]}] * 9}],
+    "default": [{"say": "echo: {{ input }}"}]}}
+
+
 async def test_a_crash_between_the_archive_and_the_reset_loses_and_doubles_nothing(
         pool, checkpoint_pool, alice):
+    # A failed turn is archived by the next turn's first run, which dies
+    # before its first checkpoint; its retry archives nothing twice.
     scope = alice[1]
-    session = await new_session(pool, scope, say_agent())
-    await _turn(pool, checkpoint_pool, scope, session, "one")
+    session = await new_session(pool, scope, FAILS_ON_LOOP)
+    await _turn(pool, checkpoint_pool, scope, session, "loop", expect="failed")
+    failed = _summary(await conversation.messages(checkpoint_pool, session.id))
+    assert failed[0] == ("human", "loop") and len(failed) >= 2
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.conversation") == 0
     await sessions.receive_input(pool, scope, session.id, content="two")
     (run_id,) = await runs_with_status(pool, "ready")
     token = uuid.uuid4()
@@ -161,19 +173,18 @@ async def test_a_crash_between_the_archive_and_the_reset_loses_and_doubles_nothi
             await executor_module.drive(
                 graph, cfg, run, conv=executor_module.TurnConversation(saver.conn, run, token))
         # Archived, and still in the checkpoint: readers show it once.
-        assert await scalar(pool, "SELECT count(*) FROM yuxi.conversation") == 2
-        assert len(await _checkpoint_messages(checkpoint_pool, session.id)) == 2
-        assert _summary(await conversation.messages(checkpoint_pool, session.id)) == [
-            ("human", "one"), ("ai", "echo: one")]
+        assert await scalar(pool, "SELECT count(*) FROM yuxi.conversation") == len(failed)
+        assert len(await _checkpoint_messages(checkpoint_pool, session.id)) == len(failed)
+        assert _summary(await conversation.messages(checkpoint_pool, session.id)) == failed
         # The retry archives nothing twice and finishes the turn.
         retry = {**run, "attempt": 2}
         graph, cfg = ex._graph(retry, token, saver)
         answer, _ = await executor_module.drive(
             graph, cfg, retry, conv=executor_module.TurnConversation(saver.conn, retry, token))
     assert answer.text == "echo: two"
-    assert await scalar(pool, "SELECT count(*) FROM yuxi.conversation") == 2
-    assert _summary(await conversation.messages(checkpoint_pool, session.id)) == [
-        ("human", "one"), ("ai", "echo: one"), ("human", "two"), ("ai", "echo: two")]
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.conversation") == len(failed)
+    assert _summary(await conversation.messages(checkpoint_pool, session.id)) == \
+        failed + [("human", "two"), ("ai", "echo: two")]
 
 
 async def test_without_the_archive_check_a_retry_doubles_the_history(
@@ -194,7 +205,7 @@ async def test_without_the_archive_check_a_retry_doubles_the_history(
         batch = await _checkpoint_messages(checkpoint_pool, session.id)
         await conversation.archive_and_load(saver.conn, run_id, token, batch)
         await conversation.archive_and_load(saver.conn, run_id, token, batch)
-    assert await scalar(pool, "SELECT count(*) FROM yuxi.conversation") == 4
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.conversation") == 6
 
 
 async def test_without_the_reader_check_a_crash_window_shows_messages_twice(
@@ -227,8 +238,8 @@ async def test_the_archive_is_fenced_by_the_lease(pool, checkpoint_pool, alice):
     batch = await _checkpoint_messages(checkpoint_pool, session.id)
     async with checkpoint_pool.connection() as conn:
         with pytest.raises(LeaseLost):
-            await conversation.archive_and_load(conn, run_id, uuid.uuid4(), batch)
-    assert await scalar(pool, "SELECT count(*) FROM yuxi.conversation") == 0
+            await conversation.archive_and_load(conn, run_id, uuid.uuid4(), batch + batch)
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.conversation") == 2  # turn one's
 
 
 WRITTEN = """
@@ -423,7 +434,7 @@ async def test_a_turn_given_up_by_recovery_keeps_what_it_did(pool, checkpoint_po
     history = _summary(await conversation.messages(checkpoint_pool, session.id))
     assert history[:3] == partial and history[3] == ("human", "b") and len(history) == 7
     assert history[-1] == ("ai", "done")
-    assert await scalar(pool, "SELECT count(*) FROM yuxi.conversation") == 3
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.conversation") == 7
 
 
 async def test_handed_over_turns_carry_the_conversation(pool, checkpoint_pool, alice, monkeypatch):
@@ -454,4 +465,46 @@ async def test_handed_over_turns_carry_the_conversation(pool, checkpoint_pool, a
     assert seen == [ids[:1], ids[:3], ids[:5], ids[:7], ids[:9], ids[:11]], seen
     archived = await rows(pool, "SELECT message_id FROM yuxi.conversation "
                                 "WHERE session_id = %s ORDER BY position", (session.id,))
-    assert [r["message_id"] for r in archived] == ids[:8]
+    assert [r["message_id"] for r in archived] == ids  # each completion archived its turn
+
+
+ARCHIVE_AT_COMPLETION = """IF p_archive_ids IS NOT NULL THEN
+        PERFORM yuxi.archive_conversation_v1(p_run, p_token, p_archive_ids, p_archive_turns,
+                                             p_archive_serde, p_archive_messages, false);
+    END IF;"""
+
+
+async def test_a_completed_turn_is_archived_by_its_completion(pool, checkpoint_pool, alice):
+    scope = alice[1]
+    session = await new_session(pool, scope, say_agent())
+    await _turn(pool, checkpoint_pool, scope, session, "one")
+    assert await rows(pool, "SELECT position, message_id FROM yuxi.conversation") == [
+        {"position": 1, "message_id": m["id"]} if i == 0 else
+        {"position": 2, "message_id": m["id"]}
+        for i, m in enumerate(await conversation.messages(checkpoint_pool, session.id))]
+
+
+async def test_without_the_archive_at_completion_a_completed_turn_waits_for_the_next(
+        pool, checkpoint_pool, alice):
+    # Negative case: complete_run_v1 without its archive leaves the turn to
+    # the next turn's first run (the conversation is still whole).
+    scope = alice[1]
+    await rewrite_function(pool, "yuxi.complete_run_v1", ARCHIVE_AT_COMPLETION, "")
+    session = await new_session(pool, scope, say_agent())
+    await _turn(pool, checkpoint_pool, scope, session, "one")
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.conversation") == 0
+    await _turn(pool, checkpoint_pool, scope, session, "two")
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.conversation") == 2
+    assert len(await conversation.messages(checkpoint_pool, session.id)) == 4
+
+
+async def test_a_completion_that_does_not_commit_archives_nothing(pool, checkpoint_pool, alice):
+    # Crash point: the archive is part of the completing transaction.
+    scope = alice[1]
+    await rewrite_function(pool, "yuxi.complete_run_v1", ARCHIVE_AT_COMPLETION,
+                           ARCHIVE_AT_COMPLETION + " RAISE EXCEPTION 'crash after the archive';")
+    session = await new_session(pool, scope, say_agent())
+    await sessions.receive_input(pool, scope, session.id, content="one")
+    await drain(pool, checkpoint_pool)
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.runs WHERE status = 'completed'") == 0
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.conversation") == 0

@@ -239,10 +239,14 @@ class TurnConversation:
     left there is archived first (fenced by the lease, idempotent), then the
     turn's first checkpoint forgets it (`RESET`).
 
+    A completed turn's messages are archived by its completion
+    (complete_run_v1); the next turn's first run finds them archived and
+    only drops them from the checkpoint.
+
     `carry` is what the same worker knows from the session's previous turn
     when that turn's completion handed this run over (no other writer could
     run in between): its history and final messages, which are exactly the
-    archive and the checkpoint now; the run then reads neither."""
+    archive and the checkpoint now; the run then reads and writes neither."""
 
     def __init__(self, conn: psycopg.AsyncConnection, run: dict[str, Any],
                  token: uuid.UUID, carry: Carry | None = None) -> None:
@@ -272,8 +276,7 @@ class TurnConversation:
         if earlier is None:  # no checkpoint: a session's first turn
             self.history = []
         elif self.carry is not None and earlier:
-            await conversation.archive_and_load(self.conn, self.run["id"], self.token,
-                                                earlier, load=False)
+            # Archived by the completion that handed this run over.
             self.history = [*self.carry.history, *earlier]
         else:
             self.history = await conversation.archive_and_load(
@@ -591,7 +594,8 @@ class RunExecutor:
                 saver.conn, run["id"], token, {"text": answer.text, "message_id": answer.id},
                 delivered, next_token=next_token, lease_seconds=self.settings.lease_seconds,
                 events=[{"type": type_, "data": data,
-                         "dedupe_key": f"{run['turn_id']}:{key}"}], mark=True)
+                         "dedupe_key": f"{run['turn_id']}:{key}"}], mark=True,
+                archive=conversation.archive_params(conv.final))
             if outcome != "steer":
                 if following:
                     following = {**following, CARRY: Carry(conv.history, conv.final)}

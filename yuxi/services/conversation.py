@@ -58,27 +58,33 @@ def _turn_of(message: BaseMessage) -> str | None:
     return None
 
 
-async def archive_and_load(conn: psycopg.AsyncConnection, run_id: uuid.UUID,
-                           token: uuid.UUID, earlier: Sequence[BaseMessage] = (), *,
-                           load: bool = True) -> list[BaseMessage]:
-    """Archive `earlier`, the messages an earlier turn left in the checkpoint
-    (fenced by the run's lease; a batch archived already is not written
-    twice; must commit before the checkpoint that forgets them), and return
-    the archived conversation, oldest first: what the run's model sees
-    before the checkpoint's messages (`load`: else nothing is read). One
-    round trip."""
+def archive_params(messages: Sequence[BaseMessage]) -> dict[str, list[Any]]:
+    """Messages as archive_conversation_v1 (and complete_run_v1) take them:
+    ids, turns, serializer tags and bytes, in order."""
     ids, turns, serdes, blobs = [], [], [], []
     turn: str | None = None
-    for message in earlier:
+    for message in messages:
         turn = _turn_of(message) or turn
         serde, data = _SERDE.dumps_typed(message)
         ids.append(message.id)
         turns.append(uuid.UUID(turn) if turn else None)
         serdes.append(serde)
         blobs.append(data)
+    return {"ids": ids, "turns": turns, "serde": serdes, "messages": blobs}
+
+
+async def archive_and_load(conn: psycopg.AsyncConnection, run_id: uuid.UUID,
+                           token: uuid.UUID, earlier: Sequence[BaseMessage] = (), *,
+                           load: bool = True) -> list[BaseMessage]:
+    """Archive `earlier`, the messages an earlier turn left in the checkpoint
+    (fenced by the run's lease; a batch archived already, by the completion
+    of its turn or by a run cut off before its reset, is not written twice;
+    must commit before the checkpoint that forgets them), and return the
+    archived conversation, oldest first: what the run's model sees before
+    the checkpoint's messages (`load`: else nothing is read). One round
+    trip."""
     rows = await db.fetch_all(conn, "archive_conversation", {
-        "run_id": run_id, "token": token, "ids": ids, "turns": turns, "serde": serdes,
-        "messages": blobs, "load": load})
+        "run_id": run_id, "token": token, **archive_params(earlier), "load": load})
     return [_load(r["serde"], r["message"]) for r in rows]
 
 
