@@ -7,12 +7,14 @@
 -- in flight, or the last turn that ran); the turns before it are rows here,
 -- one per message, written once.
 --
--- A turn's first invocation moves the checkpoint's messages here (they are
--- the previous turn's, however it ended: completed, failed, cancelled and
--- cleaned, out of steps, given up by recovery) and only then writes the
--- checkpoint that forgets them (its input starts with RemoveMessage of all).
--- The two commits are ordered, not atomic, and each is safe to repeat: a run
--- killed between them finds the same messages in the checkpoint and the
+-- A completed turn's messages are archived by its completion, in the
+-- transaction of complete_run_v1. A turn that ends otherwise (failed, out of
+-- steps, cancelled and cleaned, given up by recovery) leaves them in the
+-- checkpoint; the next turn's first invocation archives what the checkpoint
+-- holds (nothing new when its turn completed) and only then writes the
+-- checkpoint that forgets it (its input starts with RemoveMessage of all).
+-- Those two commits are ordered, not atomic, and each is safe to repeat: a
+-- run killed between them finds the same messages in the checkpoint and the
 -- archive already holding them (its last row is their last message), so the
 -- archive is written once and nothing is lost. Readers (the API) skip the
 -- checkpoint's messages by the same rule.

@@ -2,8 +2,9 @@
 (`yuxi.conversation`, sql/140_conversation.sql) followed by the messages its
 LangGraph checkpoint holds (the turn in flight, or the last turn that ran).
 
-A turn's first invocation archives the checkpoint's messages, then writes
-the checkpoint that forgets them: a checkpoint's size, and what each of its
+A completed turn is archived by its completion (complete_run_v1); a turn
+that ends otherwise by the next turn's first invocation, which then writes
+the checkpoint that forgets it: a checkpoint's size, and what each of its
 writes costs, stays that of one turn, whatever the session's history.
 """
 
