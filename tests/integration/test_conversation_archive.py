@@ -508,3 +508,21 @@ async def test_a_completion_that_does_not_commit_archives_nothing(pool, checkpoi
     await drain(pool, checkpoint_pool)
     assert await scalar(pool, "SELECT count(*) FROM yuxi.runs WHERE status = 'completed'") == 0
     assert await scalar(pool, "SELECT count(*) FROM yuxi.conversation") == 0
+
+
+async def test_a_read_uses_one_connection_of_the_pool(pool, checkpoint_pool, alice, db_url):
+    # A request never holds one connection while it waits for another: with
+    # a pool of one, a page still reads the archive and the checkpoint (two
+    # connections at once would wait until the pool's timeout).
+    from yuxi import db
+    scope = alice[1]
+    session = await new_session(pool, scope, say_agent())
+    for word in ("one", "two"):
+        await _turn(pool, checkpoint_pool, scope, session, word)
+    single = db.checkpoint_pool(db_url, min_size=1, max_size=1, timeout=2)
+    await single.open(wait=True)
+    try:
+        page = await conversation.messages(single, session.id, limit=3)
+    finally:
+        await single.close()
+    assert _summary(page) == [("ai", "echo: one"), ("human", "two"), ("ai", "echo: two")]

@@ -89,11 +89,11 @@ async def archive_and_load(conn: psycopg.AsyncConnection, run_id: uuid.UUID,
     return [_load(r["serde"], r["message"]) for r in rows]
 
 
-async def _checkpoint_messages(checkpoint_pool: AsyncConnectionPool,
+async def _checkpoint_messages(source: AsyncConnectionPool | psycopg.AsyncConnection,
                                session_id: uuid.UUID) -> list[BaseMessage]:
     """The messages of the latest checkpoint (without pending writes of a
     step in progress)."""
-    saver = AsyncPostgresSaver(checkpoint_pool)
+    saver = AsyncPostgresSaver(source)
     found = await saver.aget_tuple(
         {"configurable": {"thread_id": str(session_id), "checkpoint_ns": ""}})
     if found is None:
@@ -124,13 +124,15 @@ async def messages(checkpoint_pool: AsyncConnectionPool, session_id: uuid.UUID, 
     or not (the archive has not grown past it); read the other way round, a
     turn starting in between would hide the batch it archived."""
     bound = END if before is None else before
+    # One connection for every read: a request never holds one connection
+    # of the pool while it waits for another.
     async with checkpoint_pool.connection() as conn:
         checkpoint: list[BaseMessage] | None = None
         if before is None:
-            checkpoint = await _checkpoint_messages(checkpoint_pool, session_id)
+            checkpoint = await _checkpoint_messages(conn, session_id)
         last = await db.fetch_one(conn, "conversation_last", {"session_id": session_id})
         if checkpoint is None and bound > (last["position"] if last else 0) + 1:
-            checkpoint = await _checkpoint_messages(checkpoint_pool, session_id)
+            checkpoint = await _checkpoint_messages(conn, session_id)
             last = await db.fetch_one(conn, "conversation_last", {"session_id": session_id})
         archived = last["position"] if last else 0
         pending = unarchived(checkpoint or [], last)
