@@ -214,10 +214,17 @@ $$;
 -- once, is leased to the caller with that token (next_run) instead of being
 -- given a job: one commit and no queue round trip between a session's turns;
 -- p_mark marks the caller's connection with its lease (as in start_run_v1).
+-- p_archive_*: the turn's messages (its checkpoint's, serialized), archived
+-- into yuxi.conversation in this transaction when the turn completes
+-- (sql/140_conversation.sql; the next turn's first run then only drops them
+-- from the checkpoint). Turns that end otherwise leave that to the next
+-- turn's first run.
 CREATE FUNCTION yuxi.complete_run_v1(
     p_run uuid, p_token uuid, p_output jsonb, p_delivered uuid[] DEFAULT '{}',
     p_next_token uuid DEFAULT NULL, p_lease_seconds double precision DEFAULT NULL,
     p_events jsonb DEFAULT '[]', p_mark boolean DEFAULT false,
+    p_archive_ids text[] DEFAULT NULL, p_archive_turns uuid[] DEFAULT NULL,
+    p_archive_serde text[] DEFAULT NULL, p_archive_messages bytea[] DEFAULT NULL,
     OUT outcome text, OUT next_run yuxi.leased_run
 )
     LANGUAGE plpgsql AS $$
@@ -246,6 +253,13 @@ BEGIN
                  AND NOT (i.id = ANY(coalesce(p_delivered, '{}')))) THEN
         outcome := 'steer';
         RETURN;
+    END IF;
+    -- The completed turn's conversation joins the archive with its
+    -- completion: one commit, and a turn's messages are never archived
+    -- before its end is (a 'steer' or 'cancelled' outcome archives nothing).
+    IF p_archive_ids IS NOT NULL THEN
+        PERFORM yuxi.archive_conversation_v1(p_run, p_token, p_archive_ids, p_archive_turns,
+                                             p_archive_serde, p_archive_messages, false);
     END IF;
     -- The turn's final checkpoint supersedes every earlier one (still under
     -- the lease, which the checkpoint tables' fence checks).

@@ -158,7 +158,9 @@ SELECT yuxi.emit_run_event_v1(%(run_id)s, %(token)s, %(type)s, %(data)s, %(dedup
 -- name: complete_run
 SELECT c.outcome, (c.next_run).*
 FROM yuxi.complete_run_v1(%(run_id)s, %(token)s, %(output)s, %(delivered)s,
-                          %(next_token)s, %(lease_seconds)s, %(events)s, %(mark)s) c;
+                          %(next_token)s, %(lease_seconds)s, %(events)s, %(mark)s,
+                          %(archive_ids)s, %(archive_turns)s, %(archive_serde)s,
+                          %(archive_messages)s) c;
 
 -- name: mark_steers_delivered
 SELECT yuxi.mark_steers_delivered_v1(%(run_id)s, %(token)s, %(input_ids)s) AS marked;
@@ -438,3 +440,25 @@ SELECT coalesce(sum(r.prompt_tokens), 0)::bigint AS prompt_tokens,
 FROM yuxi.sessions s JOIN yuxi.turns t ON t.session_id = s.id
 JOIN yuxi.runs r ON r.turn_id = t.id
 WHERE s.tree_id = %(tree_id)s AND s.user_id = %(user_id)s AND s.app_id = %(app_id)s;
+-- Conversation (sql/140_conversation.sql) ------------------------------------
+
+-- Archive what an earlier turn left in the checkpoint (if anything) and
+-- read the history a run gives its model: one round trip, one index range
+-- scan.
+-- name: archive_conversation
+SELECT serde, message FROM yuxi.archive_conversation_v1(
+    %(run_id)s, %(token)s, %(ids)s, %(turns)s, %(serde)s, %(messages)s, %(load)s);
+
+-- A page of the archive, newest first, before a position (the keyset
+-- cursor; the caller passes the largest integer for "from the end"): a
+-- backward range scan of the primary key, `limit` rows.
+-- name: conversation_page
+SELECT position, message_id, serde, message FROM yuxi.conversation
+WHERE session_id = %(session_id)s AND position < %(before)s
+ORDER BY position DESC LIMIT %(limit)s;
+
+-- The archive's last row: where the checkpoint's messages continue, and
+-- whether they are archived already.
+-- name: conversation_last
+SELECT position, message_id FROM yuxi.conversation
+WHERE session_id = %(session_id)s ORDER BY position DESC LIMIT 1;

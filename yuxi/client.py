@@ -219,8 +219,9 @@ class _Calls:
         return _call("turns", list[Turn], session_id=session_id)
 
     @staticmethod
-    def messages(session_id) -> _Call:
-        return _call("messages", list[dict[str, Any]], session_id=session_id)
+    def messages(session_id, limit: int | None = None, before: int | None = None) -> _Call:
+        return _call("messages", list[dict[str, Any]],
+                     params=_drop_none({"limit": limit, "before": before}), session_id=session_id)
 
     @staticmethod
     def get_input(input_id) -> _Call:
@@ -384,8 +385,11 @@ class Client:
         return self._do(_Calls.continue_queue(session_id))
     def tree(self, session_id) -> Tree: return self._do(_Calls.tree(session_id))
     def turns(self, session_id) -> list[Turn]: return self._do(_Calls.turns(session_id))
-    def messages(self, session_id) -> list[dict[str, Any]]:
-        return self._do(_Calls.messages(session_id))
+    def messages(self, session_id, limit: int | None = None,
+                 before: int | None = None) -> list[dict[str, Any]]:
+        """A page of the conversation, oldest first (the newest `limit`,
+        server default 100, before position `before`)."""
+        return self._do(_Calls.messages(session_id, limit, before))
     def get_input(self, input_id) -> Input: return self._do(_Calls.get_input(input_id))
     def get_turn(self, turn_id) -> Turn: return self._do(_Calls.get_turn(turn_id))
     def cancel_turn(self, turn_id) -> Turn: return self._do(_Calls.cancel_turn(turn_id))
@@ -469,8 +473,9 @@ class AsyncClient:
     async def tree(self, session_id) -> Tree: return await self._do(_Calls.tree(session_id))
     async def turns(self, session_id) -> list[Turn]:
         return await self._do(_Calls.turns(session_id))
-    async def messages(self, session_id) -> list[dict[str, Any]]:
-        return await self._do(_Calls.messages(session_id))
+    async def messages(self, session_id, limit: int | None = None,
+                       before: int | None = None) -> list[dict[str, Any]]:
+        return await self._do(_Calls.messages(session_id, limit, before))
     async def get_input(self, input_id) -> Input: return await self._do(_Calls.get_input(input_id))
     async def get_turn(self, turn_id) -> Turn: return await self._do(_Calls.get_turn(turn_id))
     async def cancel_turn(self, turn_id) -> Turn:

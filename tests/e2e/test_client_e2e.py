@@ -55,6 +55,12 @@ def test_sync_client_runs_a_turn(worker, api, alice):
         assert [m.path for m in tree.sessions] == ["/root"]
         assert tree.slots is not None and tree.slots.capacity == 4
         assert [t.id for t in c.turns(session.id)] == [receipt.turn_id]
+        # The conversation, paged: human, ai (call), tool, ai (answer).
+        whole = c.messages(session.id)
+        assert [m["position"] for m in whole] == [1, 2, 3, 4]
+        assert whole[-1]["content"] == "echo said: hi there"
+        assert c.messages(session.id, limit=2) == whole[2:]
+        assert c.messages(session.id, limit=2, before=3) == whole[:2]
 
         with pytest.raises(yc.ApiError) as missing:
             c.get_session("00000000-0000-0000-0000-000000000000")

@@ -177,7 +177,7 @@ async def test_a_run_cut_between_a_steps_writes_and_its_checkpoint_goes_on(
     """The retry must not take the live view of saved task writes (here: the
     input, with no step checkpoint after it) for the end of the turn."""
     from tests.integration.helpers import executor, fenced_saver, say_agent
-    from yuxi.runtime.executor import drive
+    from yuxi.runtime.executor import TurnConversation, drive
 
     session = await new_session(pool, alice[1], say_agent())
     await sessions.receive_input(pool, alice[1], session.id, content="hi")
@@ -188,10 +188,11 @@ async def test_a_run_cut_between_a_steps_writes_and_its_checkpoint_goes_on(
     async with fenced_saver(checkpoint_pool, run_id, token) as saver:
         graph, cfg = ex._graph(run, token, _CutSaver.make(saver.conn))
         with pytest.raises(psycopg.OperationalError):
-            await drive(graph, cfg, run)
+            await drive(graph, cfg, run, conv=TurnConversation(saver.conn, run, token))
         retry = {**run, "attempt": 2}
         graph, cfg = ex._graph(retry, token, saver)
         state = await graph.aget_state(cfg)
         assert not state.next and state.tasks, state  # the situation under test
-        answer, _ = await drive(graph, cfg, retry)
+        answer, _ = await drive(graph, cfg, retry,
+                                conv=TurnConversation(saver.conn, retry, token))
     assert answer.text == "echo: hi"

@@ -120,10 +120,24 @@ class SessionController(Controller):
 
     @get("/{session_id:uuid}/messages", operation_id="listMessages")
     async def list_messages(
-        self, request: Request, caller: Caller, session_id: FromPath[uuid.UUID]
+        self, request: Request, caller: Caller, session_id: FromPath[uuid.UUID],
+        limit: Annotated[int, QueryParameter(
+            ge=1, le=conversation.MAX_LIMIT,
+            description="How many messages, at most (the newest before `before`).")
+        ] = conversation.DEFAULT_LIMIT,
+        before: Annotated[int | None, QueryParameter(
+            ge=1, le=conversation.END,
+            description="Only messages whose `position` is smaller: the `position` of "
+                        "the first message of the page before, for the next older page.")
+        ] = None,
     ) -> list[dict[str, Any]]:
+        """The conversation, oldest first, each message with its `position`
+        (1, 2, ... in the session): the newest `limit` messages, or those
+        before `before`. A page whose first position is above 1 has older
+        messages: ask again with `before` = that position."""
         await sessions.get_session(_pool(request), caller, session_id)
-        return await conversation.messages(request.app.state.checkpoint_pool, session_id)
+        return await conversation.messages(request.app.state.checkpoint_pool, session_id,
+                                           limit=limit, before=before)
 
 
 class InputController(Controller):

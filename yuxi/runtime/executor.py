@@ -2,7 +2,8 @@
 heartbeat, and end the run in one fenced transaction.
 
 The worker keeps nothing that is not in PostgreSQL: the checkpoint holds the
-conversation, the run row holds the lease and the outcome. Killed at any
+turn's conversation (earlier turns are in yuxi.conversation), the run row
+holds the lease and the outcome. Killed at any
 instant, the run's lease expires and a new run of the same turn continues
 from the last checkpoint.
 """
@@ -13,28 +14,29 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import psycopg
 
-from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+from langchain_core.messages import AIMessage, HumanMessage, RemoveMessage, SystemMessage
 from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 from langgraph.errors import GraphRecursionError
+from langgraph.graph.message import REMOVE_ALL_MESSAGES
 from langgraph.types import Command
 from psycopg_pool import AsyncConnectionPool
 
 from yuxi import db
 from yuxi.errors import LeaseLost, SandboxElsewhere, YuxiError, is_connection_error
 from yuxi.runtime.calls import CallPolicy
-from yuxi.runtime.graph import build_graph
+from yuxi.runtime.graph import build_graph, set_history
 from yuxi.runtime.live import CallCancelled, CancelWatch, DeltaBatcher
 from yuxi.runtime.models import build_chat_model
 from yuxi.runtime.providers import configured_providers
 from yuxi.runtime.saver import checkpoint_connection
 from yuxi.runtime import confine, cooperation, questions, sandbox_tools  # noqa: F401  (tool registration)
 from yuxi.runtime.tools import ToolContext, available_tools
-from yuxi.services import resources, runs, sandbox
+from yuxi.services import conversation, resources, runs, sandbox
 from yuxi.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -230,9 +232,77 @@ class Suspended(Exception):
         return next(i.value for i in self.interrupts if i.value.get("kind") in ("sessions", "inputs"))
 
 
+class TurnConversation:
+    """The conversation a run's model sees: the archive of earlier turns
+    (yuxi.conversation), loaded once per run, then the checkpoint's messages.
+    A turn's checkpoint starts with its input alone: what an earlier turn
+    left there is archived first (fenced by the lease, idempotent), then the
+    turn's first checkpoint forgets it (`RESET`).
+
+    A completed turn's messages are archived by its completion
+    (complete_run_v1); the next turn's first run finds them archived and
+    only drops them from the checkpoint.
+
+    `carry` is what the same worker knows from the session's previous turn
+    when that turn's completion handed this run over (no other writer could
+    run in between): its history and final messages, which are exactly the
+    archive and the checkpoint now; the run then reads and writes neither."""
+
+    def __init__(self, conn: psycopg.AsyncConnection, run: dict[str, Any],
+                 token: uuid.UUID, carry: Carry | None = None) -> None:
+        self.conn, self.run, self.token, self.carry = conn, run, token, carry
+        self.loaded = False
+        self.history: list[Any] = []
+        # The checkpoint's messages when the graph last returned.
+        self.final: list[Any] = []
+
+    async def earlier_messages(self, graph: Any, cfg: dict[str, Any]) -> list[Any] | None:
+        """The messages the latest checkpoint holds (read without building a
+        state snapshot: the turn's input is known not to be among them);
+        None when the thread has no checkpoint (nothing ran in the session,
+        so nothing is archived either)."""
+        if self.carry is not None:
+            return list(self.carry.messages)
+        found = await graph.checkpointer.aget_tuple(
+            {"configurable": {**cfg["configurable"], "checkpoint_ns": ""}})
+        return list(found.checkpoint["channel_values"].get("messages", [])) if found else None
+
+    async def load(self, graph: Any, earlier: list[Any] | None = ()) -> None:
+        """Archive `earlier` (messages of earlier turns still in the
+        checkpoint; must commit before the checkpoint that drops them), then
+        give the graph the history, once per run."""
+        if self.loaded and not earlier:
+            return
+        if earlier is None:  # no checkpoint: a session's first turn
+            self.history = []
+        elif self.carry is not None and earlier:
+            # Archived by the completion that handed this run over.
+            self.history = [*self.carry.history, *earlier]
+        else:
+            self.history = await conversation.archive_and_load(
+                self.conn, self.run["id"], self.token, earlier or ())
+        set_history(graph, self.history)
+        self.loaded = True
+
+
+class Carry(NamedTuple):
+    """A completed turn's conversation, for the run its completion handed
+    over: the archive the run saw and the messages its checkpoint ends with."""
+
+    history: list[Any]
+    messages: list[Any]
+
+
+# Where a handed-over run's dict holds its Carry.
+CARRY = "_conversation"
+
+# Put first in a turn's input: the checkpoint's messages start over with it.
+RESET = RemoveMessage(id=REMOVE_ALL_MESSAGES)
+
+
 async def drive(graph: Any, cfg: dict[str, Any], run: dict[str, Any],
-                extra: list[Any] = (), resume: dict[str, Any] | None = None,
-                ) -> tuple[AIMessage, list[uuid.UUID]]:
+                extra: list[Any] = (), resume: dict[str, Any] | None = None, *,
+                conv: TurnConversation) -> tuple[AIMessage, list[uuid.UUID]]:
     """Run the graph from wherever the checkpoint says this turn is; `extra`
     messages (late steers) start one more model call of a finished turn;
     `resume` answers the pending interrupt of a suspended one. Returns the
@@ -241,14 +311,21 @@ async def drive(graph: Any, cfg: dict[str, Any], run: dict[str, Any],
     first = input_message(run)
     if run["attempt"] == 1 and not run.get("resume") and not extra:
         # The first run of a turn: its input cannot be in the checkpoint yet
-        # (after a crash the turn goes on in a run with attempt > 1).
-        values = await graph.ainvoke({"messages": [first]}, cfg, durability="sync")
+        # (after a crash the turn goes on in a run with attempt > 1), so all
+        # the checkpoint holds is earlier turns'.
+        await conv.load(graph, await conv.earlier_messages(graph, cfg))
+        values = await graph.ainvoke({"messages": [RESET, first]}, cfg, durability="sync")
     else:
         state = await graph.aget_state(cfg)
         messages = state.values.get("messages", []) if state.values else []
         values = state.values
-        if not any(m.id == first.id for m in messages):
-            values = await graph.ainvoke({"messages": [first, *extra]}, cfg, durability="sync")
+        fresh = not any(m.id == first.id for m in messages)
+        # Without its input, the checkpoint holds earlier turns' messages
+        # only (a first run cut off before its first checkpoint).
+        await conv.load(graph, messages if fresh else ())
+        if fresh:
+            values = await graph.ainvoke({"messages": [RESET, first, *extra]}, cfg,
+                                         durability="sync")
         elif state.next and state.interrupts:
             if resume and resume.get("answer"):
                 # The user's answers, by interrupt id (approvals, questions).
@@ -271,6 +348,7 @@ async def drive(graph: Any, cfg: dict[str, Any], run: dict[str, Any],
     if values.get("__interrupt__"):
         raise Suspended(list(values["__interrupt__"]))
     messages = values["messages"]
+    conv.final = messages
     return final_answer(messages, first.id), delivered_steers(messages, first.id)
 
 
@@ -488,9 +566,10 @@ class RunExecutor:
                                  in_flight=in_flight)
         extra: list[Any] = []
         resume = run.get("resume")
+        conv = TurnConversation(saver.conn, run, token, run.get(CARRY))
         while True:
             try:
-                answer, delivered = await drive(graph, cfg, run, extra, resume)
+                answer, delivered = await drive(graph, cfg, run, extra, resume, conv=conv)
             except GraphRecursionError:
                 raise MaxStepsExceeded(
                     f"the turn exceeded max_steps ({int(run['config'].get('max_steps', 25))})"
@@ -515,8 +594,11 @@ class RunExecutor:
                 saver.conn, run["id"], token, {"text": answer.text, "message_id": answer.id},
                 delivered, next_token=next_token, lease_seconds=self.settings.lease_seconds,
                 events=[{"type": type_, "data": data,
-                         "dedupe_key": f"{run['turn_id']}:{key}"}], mark=True)
+                         "dedupe_key": f"{run['turn_id']}:{key}"}], mark=True,
+                archive=conversation.archive_params(conv.final))
             if outcome != "steer":
+                if following:
+                    following = {**following, CARRY: Carry(conv.history, conv.final)}
                 return outcome, (following, next_token) if following else None
             resume = None
             extra = await SteerInbox(self.pool, run, token).take(

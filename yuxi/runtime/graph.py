@@ -1,7 +1,9 @@
 """The agent graph: a model node and one `tool` task per tool call.
 
-The model node's next step depends only on the checkpointed messages (plus the
-run's frozen config), so a resumed or re-executed run behaves identically.
+The model node's next step depends only on the checkpointed messages (the
+turn's), the archived earlier turns (yuxi.conversation: written before the
+turn's first checkpoint, never changed after) and the run's frozen config,
+so a resumed or re-executed run behaves identically.
 """
 
 from __future__ import annotations
@@ -78,8 +80,8 @@ class RunDeps:
     (`_topology`); a run's graph is that compiled graph with its checkpointer
     and these in its config (a copy costs ~0.04 ms, a compile ~1.6 ms)."""
 
-    __slots__ = ("bound", "tools", "reporter", "preamble", "inbox", "tool_context", "guard",
-                 "policy", "in_flight", "on_delta", "on_usage")
+    __slots__ = ("bound", "tools", "reporter", "preamble", "history", "inbox", "tool_context",
+                 "guard", "policy", "in_flight", "on_delta", "on_usage")
 
     def __init__(self, **deps: Any) -> None:
         for name in self.__slots__:
@@ -99,8 +101,10 @@ async def _call_model(state: AgentState, config: RunnableConfig) -> dict[str, An
     run = _deps(config)
     # The inbox is the model boundary: it also stops a cancelled turn.
     arrived = await run.inbox.take(state["messages"])
-    call = call_chat_model(run.bound, [*run.preamble, *state["messages"], *arrived], run.policy,
-                           run.on_delta)
+    # The checkpoint holds the messages since the turn started; the turns
+    # before it come from the archive (`history`, loaded once per run).
+    call = call_chat_model(run.bound, [*run.preamble, *run.history, *state["messages"], *arrived],
+                           run.policy, run.on_delta)
     # `in_flight` lets a cancel notification abort the call (and its HTTP
     # request) at once instead of at the next boundary.
     answer = await (run.in_flight(call) if run.in_flight else call)
@@ -158,6 +162,7 @@ def build_graph(
     reporter: RunReporter,
     *,
     preamble: list[SystemMessage],
+    history: list[AnyMessage] = (),
     checkpointer: BaseCheckpointSaver | None,
     inbox: Inbox | None = None,
     tool_context: Callable[..., ToolContext] | None = None,
@@ -167,6 +172,8 @@ def build_graph(
 ):
     """The graph of one run. `preamble` (identity, system prompt) is
     prepended to every model call and never stored in the conversation.
+    `history` (the archived turns: yuxi.services.conversation) comes after
+    it; the run sets it with `set_history` once it is loaded.
 
     Before each model call (the safe boundary: never inside a tool batch) the
     inbox's new messages join the conversation; they are checkpointed with the
@@ -174,9 +181,16 @@ def build_graph(
     """
     deps = RunDeps(
         bound=model.bind_tools([tool_spec(n, t) for n, t in tools.items()]) if tools else model,
-        tools=tools, reporter=reporter, preamble=preamble, inbox=inbox or NoInbox(),
+        tools=tools, reporter=reporter, preamble=preamble, history=list(history),
+        inbox=inbox or NoInbox(),
         tool_context=tool_context, guard=guard, policy=policy or CallPolicy(),
         in_flight=in_flight, on_delta=getattr(reporter, "delta", None),
         on_usage=getattr(reporter, "usage", None))
     return _topology().copy(update={"checkpointer": checkpointer}).with_config(
         configurable={DEPS: deps})
+
+
+def set_history(graph: Any, history: list[AnyMessage]) -> None:
+    """Give a run's graph the archived conversation its model calls see
+    between the preamble and the checkpoint's messages."""
+    graph.config["configurable"][DEPS].history = history

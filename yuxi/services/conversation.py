@@ -1,16 +1,40 @@
-"""The conversation of a session, read from its LangGraph checkpoint."""
+"""The conversation of a session: the archive of earlier turns
+(`yuxi.conversation`, sql/140_conversation.sql) followed by the messages its
+LangGraph checkpoint holds (the turn in flight, or the last turn that ran).
+
+A completed turn is archived by its completion (complete_run_v1); a turn
+that ends otherwise by the next turn's first invocation, which then writes
+the checkpoint that forgets it: a checkpoint's size, and what each of its
+writes costs, stays that of one turn, whatever the session's history.
+"""
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
-from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
+import psycopg
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
 from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
+from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
 from psycopg_pool import AsyncConnectionPool
 
+from yuxi import db
 
-def message_json(message: BaseMessage) -> dict[str, Any]:
+# The page size of GET /api/sessions/{id}/messages when none is asked for,
+# and the largest one accepted.
+DEFAULT_LIMIT = 100
+MAX_LIMIT = 500
+# `before` when the caller gave none: after every position.
+END = 2**31 - 1
+
+# The checkpointer's own serializer (AsyncPostgresSaver's default): a message
+# read back from the archive is the object the checkpoint would have given.
+_SERDE = JsonPlusSerializer()
+
+
+def message_json(message: BaseMessage, position: int | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"id": message.id, "role": message.type, "content": message.content}
     if isinstance(message, AIMessage) and message.tool_calls:
         out["tool_calls"] = [{"id": c["id"], "name": c["name"], "args": c["args"]}
@@ -18,15 +42,109 @@ def message_json(message: BaseMessage) -> dict[str, Any]:
     if isinstance(message, ToolMessage):
         out["tool_call_id"] = message.tool_call_id
         out["name"] = message.name
+    if position is not None:
+        out["position"] = position
     return out
 
 
-async def messages(checkpoint_pool: AsyncConnectionPool, session_id: uuid.UUID) -> list[dict]:
-    """The committed conversation (the latest checkpoint, without pending
-    writes of a step in progress)."""
-    saver = AsyncPostgresSaver(checkpoint_pool)
+def _load(serde: str, data: bytes) -> BaseMessage:
+    return _SERDE.loads_typed((serde, bytes(data)))
+
+
+def _turn_of(message: BaseMessage) -> str | None:
+    if isinstance(message, HumanMessage):
+        mark = message.additional_kwargs.get("yuxi") or {}
+        if mark.get("turn_start"):
+            return mark.get("turn_id")
+    return None
+
+
+def archive_params(messages: Sequence[BaseMessage]) -> dict[str, list[Any]]:
+    """Messages as archive_conversation_v1 (and complete_run_v1) take them:
+    ids, turns, serializer tags and bytes, in order."""
+    ids, turns, serdes, blobs = [], [], [], []
+    turn: str | None = None
+    for message in messages:
+        turn = _turn_of(message) or turn
+        serde, data = _SERDE.dumps_typed(message)
+        ids.append(message.id)
+        turns.append(uuid.UUID(turn) if turn else None)
+        serdes.append(serde)
+        blobs.append(data)
+    return {"ids": ids, "turns": turns, "serde": serdes, "messages": blobs}
+
+
+async def archive_and_load(conn: psycopg.AsyncConnection, run_id: uuid.UUID,
+                           token: uuid.UUID, earlier: Sequence[BaseMessage] = (), *,
+                           load: bool = True) -> list[BaseMessage]:
+    """Archive `earlier`, the messages an earlier turn left in the checkpoint
+    (fenced by the run's lease; a batch archived already, by the completion
+    of its turn or by a run cut off before its reset, is not written twice;
+    must commit before the checkpoint that forgets them), and return the
+    archived conversation, oldest first: what the run's model sees before
+    the checkpoint's messages (`load`: else nothing is read). One round
+    trip."""
+    rows = await db.fetch_all(conn, "archive_conversation", {
+        "run_id": run_id, "token": token, **archive_params(earlier), "load": load})
+    return [_load(r["serde"], r["message"]) for r in rows]
+
+
+async def _checkpoint_messages(source: AsyncConnectionPool | psycopg.AsyncConnection,
+                               session_id: uuid.UUID) -> list[BaseMessage]:
+    """The messages of the latest checkpoint (without pending writes of a
+    step in progress)."""
+    saver = AsyncPostgresSaver(source)
     found = await saver.aget_tuple(
         {"configurable": {"thread_id": str(session_id), "checkpoint_ns": ""}})
     if found is None:
         return []
-    return [message_json(m) for m in found.checkpoint["channel_values"].get("messages", [])]
+    return list(found.checkpoint["channel_values"].get("messages", []))
+
+
+def unarchived(messages: Sequence[BaseMessage], last: dict[str, Any] | None) -> list[BaseMessage]:
+    """The checkpoint's messages unless the archive holds them already (its
+    last row is their last message: archived by a turn whose checkpoint reset
+    has not committed yet)."""
+    if messages and last is not None and last["message_id"] == messages[-1].id:
+        return []
+    return list(messages)
+
+
+async def messages(checkpoint_pool: AsyncConnectionPool, session_id: uuid.UUID, *,
+                   limit: int | None = None, before: int | None = None) -> list[dict]:
+    """The conversation, oldest first, each message with its `position`:
+    the last `limit` messages before position `before` (all of them when
+    `limit` is None). Reads `limit` archive rows by a primary-key range and,
+    only when the page reaches past the archive, the latest checkpoint (one
+    turn's messages): O(page), never O(history).
+
+    The checkpoint is read before the archive's last row: a run archives a
+    batch before the checkpoint that forgets it, so a checkpoint read first
+    is either archived by then (its last message is the last row: skipped)
+    or not (the archive has not grown past it); read the other way round, a
+    turn starting in between would hide the batch it archived."""
+    bound = END if before is None else before
+    # One connection for every read: a request never holds one connection
+    # of the pool while it waits for another.
+    async with checkpoint_pool.connection() as conn:
+        checkpoint: list[BaseMessage] | None = None
+        if before is None:
+            checkpoint = await _checkpoint_messages(conn, session_id)
+        last = await db.fetch_one(conn, "conversation_last", {"session_id": session_id})
+        if checkpoint is None and bound > (last["position"] if last else 0) + 1:
+            checkpoint = await _checkpoint_messages(conn, session_id)
+            last = await db.fetch_one(conn, "conversation_last", {"session_id": session_id})
+        archived = last["position"] if last else 0
+        pending = unarchived(checkpoint or [], last)
+        tail = [message_json(m, archived + i) for i, m in enumerate(pending, 1)
+                if archived + i < bound]
+        if limit is not None:
+            tail = tail[-limit:]
+        want = None if limit is None else limit - len(tail)
+        rows = []
+        if (want is None or want > 0) and archived > 0:
+            rows = await db.fetch_all(conn, "conversation_page", {
+                "session_id": session_id, "before": min(bound, archived + 1),
+                "limit": want})
+    head = [message_json(_load(r["serde"], r["message"]), r["position"]) for r in reversed(rows)]
+    return head + tail
