@@ -158,25 +158,30 @@ class Subscriber:
 
     def take(self, rows: list[dict]) -> int:
         """Take rows (in seq order, after the cursor) while there is room;
-        returns how many were taken."""
-        taken = 0
-        chunks: list[bytes] = []
-        room = self.capacity - self.queued
-        for row in rows:
-            if self.only is None or str(row["session_id"]) == self.only:
-                if room <= 0:
-                    break
-                chunks.append(frame(row))
-                room -= 1
-            self.cursor = row["seq"]
-            taken += 1
-        if taken == len(rows):
+        returns how many were taken. Frames whose send completes at once
+        free their room again: the buffer is full only while a send waits
+        for the socket, and then that send's end offers again (`_written`)."""
+        i, n = 0, len(rows)
+        while i < n:
+            room = self.capacity - self.queued
+            chunks: list[bytes] = []
+            while i < n:
+                row = rows[i]
+                if self.only is None or str(row["session_id"]) == self.only:
+                    if room <= 0:
+                        break
+                    chunks.append(frame(row))
+                    room -= 1
+                self.cursor = row["seq"]
+                i += 1
+            if not chunks:
+                break
+            self._push(b"".join(chunks), len(chunks))
+        if i == n:
             self._room_left()
         else:
             self._full()
-        if chunks:
-            self._push(b"".join(chunks), len(chunks))
-        return taken
+        return i
 
     def delta(self, body: bytes) -> None:
         """A `message.delta` frame: ephemeral, dropped when the buffer is full."""
@@ -302,29 +307,26 @@ class Subscriber:
         try:
             while True:
                 self.poked.clear()  # before reading: a poke during the read wakes us again
-                room = self.capacity - self.queued
+                if self.queued >= self.capacity:
+                    self._full()  # no room: wait for the send in flight (it pokes)
+                    await self.poked.wait()
+                    continue
                 rows = None
-                if room > 0:
-                    limit = min(BATCH, room)
-                    try:
-                        # Shielded: a client disconnect must not cancel a
-                        # query mid-flight (psycopg would discard the pooled
-                        # connection).
-                        rows = await asyncio.shield(
-                            fetch(feeds.pool, self.tree_id, only, self.cursor, limit))
-                    except Exception as exc:
-                        if not is_connection_error(exc):
-                            raise
-                    if rows:
-                        self.take(rows)
-                    if rows is not None and len(rows) == limit:
-                        continue
-                else:
-                    self._full()
+                try:
+                    # Shielded: a client disconnect must not cancel a query
+                    # mid-flight (psycopg would discard the pooled connection).
+                    rows = await asyncio.shield(
+                        fetch(feeds.pool, self.tree_id, only, self.cursor, BATCH))
+                except Exception as exc:
+                    if not is_connection_error(exc):
+                        raise
+                taken = self.take(rows) if rows else 0
                 if windowed and self.feed.after(self.cursor) is not None:
                     self.catch_up = None
                     self.offer()
                     return
+                if rows and taken == len(rows) and (len(rows) == BATCH or windowed):
+                    continue  # more to read, or now see whether the window reaches
                 await self.poked.wait()
         except asyncio.CancelledError:
             raise
@@ -415,10 +417,12 @@ class TreeFeed:
                 read = time.monotonic()
                 self._deliver()
                 if TRACE and rows:
-                    log.warning("sse trace tree %s: %d events, wake->read %.1f ms, "
-                                "delivery to %d subscribers %.1f ms", self.tree_id, len(rows),
-                                (read - woke) * 1000, len(self.subscribers),
-                                (time.monotonic() - read) * 1000)
+                    done = time.monotonic()
+                    noted = self.hub.noted_at.get(self.tree_id, woke)
+                    log.warning("sse trace: %d events, %d subscribers; NOTIFY->feed awake "
+                                "%.2f ms, read %.2f ms, delivery %.2f ms", len(rows),
+                                len(self.subscribers), (woke - noted) * 1000,
+                                (read - woke) * 1000, (done - read) * 1000)
                 if rows and len(rows) == BATCH:
                     continue
                 while True:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import os
+import time
 from collections import defaultdict
 
 import msgspec
@@ -22,6 +24,7 @@ CHANNEL = "yuxi_events"
 # as they come, never stored; a slow subscriber drops the oldest.
 DELTA_CHANNEL = "yuxi_deltas"
 DELTA_BUFFER = 1000
+TRACE = os.environ.get("YUXI_SSE_TRACE") == "1"
 
 
 class EventHub:
@@ -33,6 +36,8 @@ class EventHub:
         self._delta_subscribers: dict[str, dict[int, tuple[collections.deque, asyncio.Event]]] = \
             defaultdict(dict)
         self._task: asyncio.Task | None = None
+        # YUXI_SSE_TRACE=1: when each tree's last NOTIFY arrived (yuxi.api.feed).
+        self.noted_at: dict[str, float] = {}
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._listen_forever(), name="yuxi-event-hub")
@@ -87,6 +92,8 @@ class EventHub:
             wake.set()
 
     def _wake(self, tree_id: str) -> None:
+        if TRACE:
+            self.noted_at[tree_id] = time.monotonic()
         for wake in self._subscribers.get(tree_id, ()):
             wake.set()
 
