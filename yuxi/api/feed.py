@@ -83,6 +83,12 @@ def delta_frame(delta: dict) -> bytes:
     }).decode()).encode()
 
 
+# What a delivery pass found for a (cursor, filter): nothing new, or a cursor
+# behind the window (the subscriber reads the table).
+_LEVEL = object()
+_BEHIND = object()
+
+
 async def _resume(coro, waiting) -> None:
     """Finish a send coroutine that suspended on `waiting` (the future it
     yielded) when it was stepped eagerly: wait for that future here, then
@@ -130,31 +136,42 @@ class Subscriber:
     def offer(self, shared: dict | None = None) -> None:
         """Take what follows the cursor from the feed's window (the feed
         calls this after each read; a drained send calls it too). `shared`
-        caches one delivery pass's bodies by (cursor, filter)."""
+        caches one delivery pass's work by (cursor, filter): subscribers that
+        were level get the same body, and the same ASGI message."""
         if self.ending or self.catch_up is not None:
             return
-        feed = self.feed
-        rows = feed.after(self.cursor) if feed is not None else None
-        if rows is None:
-            self._start_catch_up()
-            return
-        if not rows:
-            return
-        if shared is not None:
-            key = (self.cursor, self.only)
-            hit = shared.get(key)
-            if hit is None:
+        key = (self.cursor, self.only)
+        hit = shared.get(key) if shared is not None else None
+        if hit is None:
+            rows = self.feed.after(self.cursor) if self.feed is not None else None
+            if rows is None:
+                hit = _BEHIND
+            elif not rows:
+                hit = _LEVEL
+            else:
                 frames = [frame(r) for r in rows
                           if self.only is None or str(r["session_id"]) == self.only]
-                hit = shared[key] = (b"".join(frames), len(frames), rows[-1]["seq"])
-            body, count, last = hit
-            if self.queued + count <= self.capacity:  # the common case: room for all
-                self.cursor = last
-                self._room_left()
-                if count:
-                    self._push(body, count)
-                return
-        self.take(rows)
+                body = b"".join(frames)
+                hit = (rows, body, len(frames), rows[-1]["seq"],
+                       {"type": "http.response.body", "body": body, "more_body": True})
+            if shared is not None:
+                shared[key] = hit
+        if hit is _LEVEL:
+            return
+        if hit is _BEHIND:
+            self._start_catch_up()
+            return
+        rows, body, count, last, message = hit
+        if self.queued + count > self.capacity:
+            self.take(rows)
+            return
+        self.cursor = last  # the common case: room for all
+        self.full_since = None
+        if count:
+            if self.writing is None and not self.pending and not self.closed:
+                self._write(message, True)
+            else:
+                self._push(body, count)
 
     def take(self, rows: list[dict]) -> int:
         """Take rows (in seq order, after the cursor) while there is room;
@@ -245,10 +262,13 @@ class Subscriber:
         self.pending = []
         self.queued = 0
         more = not self.ending
+        self._write({"type": "http.response.body", "body": body, "more_body": more}, more)
+
+    def _write(self, message: dict, more: bool) -> None:
         self.last_write = time.monotonic()
         # Stepped eagerly: a send that does not have to wait for the socket
         # completes right here, with no task and no wake-up.
-        coro = self.send({"type": "http.response.body", "body": body, "more_body": more})
+        coro = self.send(message)
         try:
             waiting = coro.send(None)
         except StopIteration:
@@ -375,7 +395,8 @@ class TreeFeed:
             except Exception:
                 log.exception("SSE delivery to a subscriber of tree %s failed", self.tree_id)
                 sub.stop()
-            sub.poked.set()  # a subscriber reading the table: new events, or the hub is back
+            if sub.catch_up is not None:
+                sub.poked.set()  # reading the table: new events, or the hub is back
 
     def _deltas(self, deltas) -> None:
         """Deltas first: they were sent before the durable events that follow."""
