@@ -121,3 +121,21 @@ async def test_a_stalled_or_vanished_subscriber_does_not_hold_up_the_others(
                 m.startswith("too far behind") for m in stalled.comments)
             await stalled.read_until(lambda s: s.seqs[-1] == 301, timeout=30)
             assert stalled.seqs == list(range(1, 302))
+
+
+async def test_a_batch_larger_than_the_buffer_arrives_whole(start_api, alice, pg):
+    """20 events in one transaction (one NOTIFY, one feed read) to a
+    subscriber with a 4-frame buffer: frames written at once free their room,
+    so the rest follows without another notification."""
+    key, _ = alice
+    api = start_api(YUXI_SSE_BUFFER_EVENTS="4")
+    async with client(api, key) as c:
+        session = await session_with_script(c, {"default": [{"say": "ok"}]})
+        sid, tree = session["id"], session["tree_id"]
+        async with open_stream(c, sid) as stream:
+            await stream.read_until(lambda s: len(s.events) >= 1)
+            pg.scalar("SELECT count(yuxi.emit_event_v1(%s, %s, NULL, NULL, 'test.small', "
+                      "jsonb_build_object('n', n))) FROM generate_series(1, 20) AS n",
+                      (tree, sid))
+            await stream.read_until(lambda s: s.seqs[-1] == 21, timeout=5)
+        assert stream.seqs == list(range(1, 22))

@@ -63,7 +63,8 @@ class EventHub:
                     del self._subscribers[tree_id]
 
     def subscriber_count(self) -> int:
-        """Open SSE streams of this process (a metric)."""
+        """Wake-ups registered on this process: one per tree with a feed
+        (yuxi.api.feed), or per subscriber reading the table."""
         return sum(len(members) for members in self._subscribers.values())
 
     @contextlib.contextmanager
