@@ -426,8 +426,13 @@ def _trace_summary(path: Path) -> str:
         for name, value in zip(parts, m.groups()):
             parts[name].append(float(value))
     n = len(parts["read"])
-    return f"\n    trace, {n} feed reads: " + "; ".join(
-        f"{name} p50 {pct(v, 0.5):.2f} p99 {pct(v, 0.99):.2f} ms" for name, v in parts.items())
+    gcs = [(float(m.group(2)), m.group(0)) for m in re.finditer(
+        r"gc generation (\d) took ([\d.]+) ms.*", path.read_text(errors="replace"))]
+    gc_note = (f"; GC pauses over 2 ms: {len(gcs)}:\n      " + "\n      ".join(
+        text for _, text in gcs) if gcs else "; no GC pause over 2 ms")
+    return gc_note + f"\n    trace, {n} feed reads: " + "; ".join(
+        f"{name} p50 {pct(v, 0.5):.2f} p99 {pct(v, 0.99):.2f} max {max(v, default=0):.2f} ms"
+        for name, v in parts.items())
 
 
 async def scenario_sse(args: Any, log_dir: Path) -> list[str]:

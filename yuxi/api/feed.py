@@ -51,6 +51,20 @@ CONNECTED = ServerSentEventMessage(data=None, comment="connected", retry=1000).e
 # YUXI_SSE_TRACE=1 logs, per feed read, where the milliseconds went: NOTIFY
 # arrival -> query done -> first and last subscriber write (a diagnosis aid).
 TRACE = os.environ.get("YUXI_SSE_TRACE") == "1"
+if TRACE:
+    import gc
+
+    _gc_started = [0.0]
+
+    def _gc_trace(phase: str, info: dict) -> None:
+        if phase == "start":
+            _gc_started[0] = time.monotonic()
+        elif (pause := time.monotonic() - _gc_started[0]) > 0.002:
+            log.warning("sse trace: gc generation %d took %.1f ms (%d collected; tracked: %d "
+                        "in generation 2, %d frozen)", info["generation"], pause * 1000,
+                        info["collected"], len(gc.get_objects(2)), gc.get_freeze_count())
+
+    gc.callbacks.append(_gc_trace)
 
 
 async def fetch(pool, tree_id: str, session_id: Any, after: int, limit: int) -> list[dict]:
