@@ -1,9 +1,10 @@
 """One LISTEN connection per API process, fanned out to SSE subscribers.
 
-NOTIFY payloads carry the tree id only (one per transaction); a woken subscriber re-reads
-the events table after its cursor, so a lost or collapsed notification costs
-latency, never an event. After a (re)connect every subscriber is woken, since
-notifications sent while disconnected are gone.
+NOTIFY payloads carry the tree id only (one per transaction); a woken tree
+feed (yuxi.api.feed) re-reads the events table after its high-water mark, so
+a lost or collapsed notification costs latency, never an event. After a
+(re)connect every feed is woken, since notifications sent while disconnected
+are gone.
 """
 
 from __future__ import annotations
