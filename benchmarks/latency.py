@@ -318,6 +318,7 @@ class Listener(threading.Thread):
 
 async def sse_run(args: Any, log_dir: Path, label: str, extra_env: dict[str, str],
                   interval: float) -> str:
+    extra_env = {**dict(kv.split("=", 1) for kv in args.api_env), **extra_env}
     if args.sse_trace:
         extra_env = {**extra_env, "YUXI_SSE_TRACE": "1"}
     async with services(args.database_url, log_dir, extra_env) as (base, key, http):
@@ -488,6 +489,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", metavar="DIR", type=Path, default=None,
                    help="cProfile (CPU time) the API and workers into DIR, as benchmarks.run "
                         "does (numbers of a profiled run are not comparable)")
+    p.add_argument("--api-env", action="append", default=[], metavar="YUXI_X=V",
+                   help="an environment variable for the API and workers of the SSE runs "
+                        "(repeatable), e.g. YUXI_SSE_BUFFER_EVENTS=100")
     p.add_argument("--sse-trace", action="store_true",
                    help="the API logs, per feed read, NOTIFY->feed awake, read and delivery "
                         "times (YUXI_SSE_TRACE=1); summarized after each SSE run")
