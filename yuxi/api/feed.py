@@ -408,7 +408,12 @@ class TreeFeed:
                 sub.offer(shared)
             except Exception:
                 log.exception("SSE delivery to a subscriber of tree %s failed", self.tree_id)
-                sub.stop()
+                # End its stream (the client resumes with Last-Event-ID), or
+                # at least stop writing to it.
+                try:
+                    sub.end()
+                except Exception:
+                    sub.stop()
             if sub.catch_up is not None:
                 sub.poked.set()  # reading the table: new events, or the hub is back
 
