@@ -72,8 +72,9 @@ async def services(url: str, log_dir: Path, extra_env: dict[str, str] | None = N
     (base URL, an httpx client with the key)."""
     await bench.fresh_database(url)
     key, _scope, _agent = await bench.create_key_and_agent(url)
+    profile = ["--profile", str(services.profile_dir)] if services.profile_dir else []
     opts = bench.parse_args(["--database-url", url, "--workers", str(workers),
-                             "--worker-concurrency", "8"])
+                             "--worker-concurrency", "8", *profile])
     env = {k: v for k, v in os.environ.items() if not k.startswith("YUXI_")}
     env.update(YUXI_DATABASE_URL=url, YUXI_WORKER_CONCURRENCY="8", PYTHONUNBUFFERED="1",
                **(extra_env or {}))
@@ -90,6 +91,9 @@ async def services(url: str, log_dir: Path, extra_env: dict[str, str] | None = N
     finally:
         for p in procs:
             p.stop()
+
+
+services.profile_dir = None  # type: ignore[attr-defined]
 
 
 async def new_session(http: httpx.AsyncClient, script: dict[str, Any],
@@ -314,6 +318,9 @@ class Listener(threading.Thread):
 
 async def sse_run(args: Any, log_dir: Path, label: str, extra_env: dict[str, str],
                   interval: float) -> str:
+    extra_env = {**dict(kv.split("=", 1) for kv in args.api_env), **extra_env}
+    if args.sse_trace:
+        extra_env = {**extra_env, "YUXI_SSE_TRACE": "1"}
     async with services(args.database_url, log_dir, extra_env) as (base, key, http):
         session = await new_session(http, {"default": [{"say": "ok {{ input }}"}]})
         tree = session["tree_id"]
@@ -405,16 +412,37 @@ async def sse_run(args: Any, log_dir: Path, label: str, extra_env: dict[str, str
             f"(target p99 <= 20 ms); CPU meanwhile: API {api_cpu:.2f} s "
             f"({api_cpu / max(received, 1) * 1e6:.0f} us a frame), this bench (client, parse "
             f"later) {bench_cpu:.2f} s")
+    if args.sse_trace:
+        line += _trace_summary(log_dir / "api.log")
     print(line, flush=True)
     return line
+
+
+def _trace_summary(path: Path) -> str:
+    """Where the API's milliseconds went (YUXI_SSE_TRACE=1 lines of
+    yuxi.api.feed: one per feed read)."""
+    parts: dict[str, list[float]] = {"NOTIFY->feed awake": [], "read": [], "delivery": []}
+    for m in re.finditer(r"NOTIFY->feed awake ([\d.]+) ms, read ([\d.]+) ms, "
+                         r"delivery ([\d.]+) ms", path.read_text(errors="replace")):
+        for name, value in zip(parts, m.groups()):
+            parts[name].append(float(value))
+    n = len(parts["read"])
+    gcs = [(float(m.group(2)), m.group(0)) for m in re.finditer(
+        r"gc generation (\d) took ([\d.]+) ms.*", path.read_text(errors="replace"))]
+    gc_note = (f"; GC pauses over 2 ms: {len(gcs)}:\n      " + "\n      ".join(
+        text for _, text in gcs) if gcs else "; no GC pause over 2 ms")
+    return gc_note + f"\n    trace, {n} feed reads: " + "; ".join(
+        f"{name} p50 {pct(v, 0.5):.2f} p99 {pct(v, 0.99):.2f} max {max(v, default=0):.2f} ms"
+        for name, v in parts.items())
 
 
 async def scenario_sse(args: Any, log_dir: Path) -> list[str]:
     lines = []
     for interval in (0.0, args.interval):
         lines.append(await sse_run(args, log_dir, "default feed", {}, interval))
-        lines.append(await sse_run(args, log_dir, "YUXI_SSE_FEED_EVENTS=0",
-                                   {"YUXI_SSE_FEED_EVENTS": "0"}, interval))
+        if not args.sse_feed_only:
+            lines.append(await sse_run(args, log_dir, "YUXI_SSE_FEED_EVENTS=0",
+                                       {"YUXI_SSE_FEED_EVENTS": "0"}, interval))
     return lines
 
 
@@ -456,9 +484,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=20)
     p.add_argument("--interval", type=float, default=1.0,
                    help="the SSE scenario's paced run starts a turn every INTERVAL s")
+    p.add_argument("--sse-feed-only", action="store_true",
+                   help="skip the SSE runs with YUXI_SSE_FEED_EVENTS=0")
+    p.add_argument("--profile", metavar="DIR", type=Path, default=None,
+                   help="cProfile (CPU time) the API and workers into DIR, as benchmarks.run "
+                        "does (numbers of a profiled run are not comparable)")
+    p.add_argument("--api-env", action="append", default=[], metavar="YUXI_X=V",
+                   help="an environment variable for the API and workers of the SSE runs "
+                        "(repeatable), e.g. YUXI_SSE_BUFFER_EVENTS=100")
+    p.add_argument("--sse-trace", action="store_true",
+                   help="the API logs, per feed read, NOTIFY->feed awake, read and delivery "
+                        "times (YUXI_SSE_TRACE=1); summarized after each SSE run")
     p.add_argument("--database-url", default=db.with_database(
         os.environ.get("YUXI_BENCH_DATABASE_URL", bench.DEFAULT_URL), DEFAULT_DB))
     args = p.parse_args(argv)
+    services.profile_dir = args.profile
     asyncio.run(main_async(args))
     return 0
 

@@ -92,10 +92,10 @@ class Settings(msgspec.Struct, frozen=True):
     # Seconds an API request waits for a database connection before it
     # answers 503 database_unavailable (with Retry-After).
     db_wait_seconds: float = 3.0
-    # Events read from the table and not yet sent that one SSE subscriber
-    # may hold (its buffer). A subscriber whose buffer stays full this many
-    # seconds (it reads slower than its tree writes) is closed with a final
-    # comment telling it to resume from its last id.
+    # Frames one SSE subscriber may hold taken but unsent while its socket is
+    # full (its buffer). A subscriber that cannot take new events for
+    # sse_slow_consumer_seconds (it reads slower than its tree writes) is
+    # closed with a final comment telling it to resume from its last id.
     sse_buffer_events: int = 500
     # Events an API process keeps per subscribed tree, read once and shared
     # by the tree's subscribers (yuxi.api.feed); 0: each subscriber reads the

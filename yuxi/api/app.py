@@ -44,7 +44,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
         await checkpoint_pool.open()
         await hub.start()
         app.state.update(settings=settings, pool=pool, checkpoint_pool=checkpoint_pool, hub=hub,
-                         feeds=Feeds(pool, hub, settings.sse_feed_events),
+                         feeds=Feeds(pool, hub, settings),
                          key_cache=KeyCache(), metrics=ApiMetrics())
         freeze_startup_heap()
         try:

@@ -1,9 +1,10 @@
 """One LISTEN connection per API process, fanned out to SSE subscribers.
 
-NOTIFY payloads carry the tree id only (one per transaction); a woken subscriber re-reads
-the events table after its cursor, so a lost or collapsed notification costs
-latency, never an event. After a (re)connect every subscriber is woken, since
-notifications sent while disconnected are gone.
+NOTIFY payloads carry the tree id only (one per transaction); a woken tree
+feed (yuxi.api.feed) re-reads the events table after its high-water mark, so
+a lost or collapsed notification costs latency, never an event. After a
+(re)connect every feed is woken, since notifications sent while disconnected
+are gone.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import os
+import time
 from collections import defaultdict
 
 import msgspec
@@ -22,6 +25,7 @@ CHANNEL = "yuxi_events"
 # as they come, never stored; a slow subscriber drops the oldest.
 DELTA_CHANNEL = "yuxi_deltas"
 DELTA_BUFFER = 1000
+TRACE = os.environ.get("YUXI_SSE_TRACE") == "1"
 
 
 class EventHub:
@@ -33,6 +37,8 @@ class EventHub:
         self._delta_subscribers: dict[str, dict[int, tuple[collections.deque, asyncio.Event]]] = \
             defaultdict(dict)
         self._task: asyncio.Task | None = None
+        # YUXI_SSE_TRACE=1: when each tree's last NOTIFY arrived (yuxi.api.feed).
+        self.noted_at: dict[str, float] = {}
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._listen_forever(), name="yuxi-event-hub")
@@ -58,7 +64,8 @@ class EventHub:
                     del self._subscribers[tree_id]
 
     def subscriber_count(self) -> int:
-        """Open SSE streams of this process (a metric)."""
+        """Wake-ups registered on this process: one per tree with a feed
+        (yuxi.api.feed), or per subscriber reading the table."""
         return sum(len(members) for members in self._subscribers.values())
 
     @contextlib.contextmanager
@@ -87,6 +94,8 @@ class EventHub:
             wake.set()
 
     def _wake(self, tree_id: str) -> None:
+        if TRACE:
+            self.noted_at[tree_id] = time.monotonic()
         for wake in self._subscribers.get(tree_id, ()):
             wake.set()
 
