@@ -63,11 +63,6 @@ class EventHub:
                 if not members:
                     del self._subscribers[tree_id]
 
-    def subscriber_count(self) -> int:
-        """Wake-ups registered on this process: one per tree with a feed
-        (yuxi.api.feed), or per subscriber reading the table."""
-        return sum(len(members) for members in self._subscribers.values())
-
     @contextlib.contextmanager
     def subscribe_deltas(self, tree_id: str, wake: asyncio.Event):
         """A deque receiving the tree's `message.delta` payloads (dicts);
