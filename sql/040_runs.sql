@@ -142,13 +142,10 @@ $$;
 
 -- End a turn whose last run is p_run (already ended by the caller): the turn
 -- and its input take the final status, the run becomes the turn's result, the
--- slot goes to the tree FIFO and the session's next queued turn starts.
--- With p_lease_token, the session's next run, when it gets a slot at once,
--- is created leased to the caller (start_next_turn_v1): its id is returned.
--- Returns NULL otherwise.
-CREATE FUNCTION yuxi.finish_turn_v1(p_run uuid, p_status text, p_error text,
-                                    p_lease_token uuid DEFAULT NULL,
-                                    p_lease_seconds double precision DEFAULT NULL) RETURNS uuid
+-- slot goes to the tree FIFO (then to a run its turn's end wakes) and the
+-- session's next queued turn starts. Any of these runs may be handed over to
+-- the caller when it opened an offer (offer_hand_over_v1).
+CREATE FUNCTION yuxi.finish_turn_v1(p_run uuid, p_status text, p_error text) RETURNS void
     LANGUAGE plpgsql AS $$
 DECLARE
     v_run yuxi.runs;
@@ -172,8 +169,7 @@ BEGIN
     PERFORM yuxi.emit_event_v1(v_turn.tree_id, v_turn.session_id, v_turn.id, p_run,
                                'turn.' || p_status,
                                jsonb_build_object('input_id', v_turn.input_id, 'error', p_error));
-    RETURN (yuxi.start_next_turn_v1(v_turn.session_id, p_lease_token,
-                                    p_lease_seconds)).leased_run;
+    PERFORM yuxi.start_next_turn_v1(v_turn.session_id);
 END;
 $$;
 
@@ -210,10 +206,14 @@ $$;
 -- p_events ([{type, data, dedupe_key}]) are the run's facts reported with
 -- the completion (the final answer's `message`), recorded first whatever the
 -- outcome: they happened.
--- With p_next_token, the session's next queued turn, when it gets a slot at
--- once, is leased to the caller with that token (next_run) instead of being
--- given a job: one commit and no queue round trip between a session's turns;
--- p_mark marks the caller's connection with its lease (as in start_run_v1).
+-- With p_next_token, the caller offers to go on with a run this completion
+-- gives a slot to (offer_hand_over_v1, sql/020_slots.sql): the oldest pending
+-- run of the tree served by the released slot, else the run of a wait this
+-- turn's end satisfies, else the session's next queued turn; when one may run
+-- on the caller's host it is leased to the caller with that token (next_run)
+-- instead of being given a job: one commit and no queue round trip between a
+-- slot's runs; p_mark marks the caller's connection with its lease (as in
+-- start_run_v1).
 CREATE FUNCTION yuxi.complete_run_v1(
     p_run uuid, p_token uuid, p_output jsonb, p_delivered uuid[] DEFAULT '{}',
     p_next_token uuid DEFAULT NULL, p_lease_seconds double precision DEFAULT NULL,
@@ -254,10 +254,13 @@ BEGIN
      WHERE id = p_run;
     PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
                                'run.completed', '{}');
-    v_next := yuxi.finish_turn_v1(p_run, 'completed', NULL, p_next_token, p_lease_seconds);
+    IF p_next_token IS NOT NULL THEN
+        -- The same worker: the same host.
+        PERFORM yuxi.offer_hand_over_v1(p_next_token, p_lease_seconds, v_run.host_id);
+    END IF;
+    PERFORM yuxi.finish_turn_v1(p_run, 'completed', NULL);
+    v_next := yuxi.close_hand_over_v1();
     IF v_next IS NOT NULL THEN
-        -- Leased to the same worker: the same host.
-        UPDATE yuxi.runs SET host_id = v_run.host_id WHERE id = v_next;
         IF p_mark THEN
             PERFORM yuxi.mark_checkpoint_connection_v1(v_next::text, p_next_token::text);
         END IF;

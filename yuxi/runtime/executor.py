@@ -274,11 +274,12 @@ async def drive(graph: Any, cfg: dict[str, Any], run: dict[str, Any],
     return final_answer(messages, first.id), delivered_steers(messages, first.id)
 
 
-# A worker goes on with its session's next queued turn (leased to it in the
-# completing transaction, without a job) at most this many times in one job,
-# then leaves the next turn to the queue: a busy session holds one worker slot
-# for a bounded time while other sessions' jobs wait.
-MAX_CONTINUED_TURNS = 8
+# A worker goes on with a run its completion gave a slot to (leased to it in
+# the completing transaction, without a job: the tree's next pending run, the
+# parent its turn's end woke, its session's next queued turn) at most this
+# many times in one job, then leaves the next run to the queue: a busy tree
+# holds one worker slot for a bounded time while other trees' jobs wait.
+MAX_CONTINUED_RUNS = 8
 
 # How long a worker tries to report that a run was cut off by the database
 # (an outage of up to two minutes, and some).
@@ -290,11 +291,11 @@ Next = tuple[dict[str, Any], uuid.UUID]  # a leased next run and its token
 class RunExecutor:
     def __init__(self, settings: Settings, pool: AsyncConnectionPool,
                  checkpoint_pool: AsyncConnectionPool, *,
-                 max_continued_turns: int = MAX_CONTINUED_TURNS) -> None:
+                 max_continued_runs: int = MAX_CONTINUED_RUNS) -> None:
         self.settings = settings
         self.pool = pool
         self.checkpoint_pool = checkpoint_pool
-        self.max_continued_turns = max_continued_turns
+        self.max_continued_runs = max_continued_runs
         self.jail = confine.for_settings(settings)
         # yuxi.metrics.WorkerMetrics when this worker exposes metrics.
         self.metrics: Any = None
@@ -303,8 +304,8 @@ class RunExecutor:
         self.cancels = CancelWatch(pool.conninfo)
 
     async def execute(self, run_id: uuid.UUID) -> str:
-        """Execute a run, then the session's next queued turns handed to this
-        worker when the run completed (up to max_continued_turns). Returns what
+        """Execute a run, then the runs handed over to this worker when a run
+        completed (up to max_continued_runs; sql/020_slots.sql). Returns what
         happened to the last one: skipped (not ready: a stale or duplicate job),
         completed, suspended, cancelled, failed, or lease_lost (then the worker
         changed nothing)."""
@@ -316,14 +317,14 @@ class RunExecutor:
                                        mark=True, host=self.settings.host_id)
             if run is None:
                 return "skipped"
-            for left in range(self.max_continued_turns, -1, -1):
+            for left in range(self.max_continued_runs, -1, -1):
                 outcome, following = await self._measured(run, token, conn, left > 0)
                 if following is None:
                     return outcome
                 log.debug("run %s: %s; going on with run %s", run["id"], outcome,
                           following[0]["id"])
                 run, token = following
-        raise AssertionError("unreachable: the last turn is never continued")
+        raise AssertionError("unreachable: the last run is never continued")
 
     async def _measured(self, run: dict[str, Any], token: uuid.UUID,
                         conn: psycopg.AsyncConnection, go_on: bool) -> tuple[str, Next | None]:
@@ -343,8 +344,8 @@ class RunExecutor:
     async def _execute_leased(self, run: dict[str, Any], token: uuid.UUID,
                               conn: psycopg.AsyncConnection, go_on: bool,
                               ) -> tuple[str, Next | None]:
-        """Execute a run whose lease this worker holds; with `go_on`, a
-        completion may hand over the session's next run."""
+        """Execute a run whose lease this worker holds; with `go_on`, its
+        completion may hand over a run it gives a slot to."""
         run_id = run["id"]
         deltas = DeltaBatcher(self.pool, run)
         work = asyncio.create_task(self._watched_turn(run, token, conn, go_on, deltas))

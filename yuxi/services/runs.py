@@ -64,9 +64,11 @@ async def complete(
     first); 'cancelled' when a cancel intent was committed before. `events`
     ({type, data, dedupe_key}) are recorded first, whatever the outcome.
 
-    With `next_token`, the session's next queued turn, when it gets a slot at
-    once, comes back leased with that token (as `start_run` returns it) and
-    gets no job: the caller must execute it (`mark`: as in `start_run`)."""
+    With `next_token`, a run this completion gives a slot to (the tree's
+    oldest pending run, else the parent whose wait it satisfies, else the
+    session's next queued turn), when it may run on this run's host, comes
+    back leased with that token (as `start_run` returns it) and gets no job:
+    the caller must execute it (`mark`: as in `start_run`)."""
     async with db.connection(source) as conn:
         row = await db.fetch_one(
             conn, "complete_run",
