@@ -233,6 +233,11 @@ SELECT id, tree_id, parent_id, name, path, title FROM yuxi.resolve_session_v1(%(
 SELECT yuxi.create_child_session_v1(%(parent)s, %(run_id)s, %(name)s, %(title)s, %(agent_id)s,
                                     %(config)s, %(task)s) AS id;
 
+-- name: create_session_effect
+SELECT yuxi.create_session_effect_v1(%(run_id)s, %(token)s, %(call_id)s, %(fingerprint)s,
+                                     %(name)s, %(title)s, %(agent_id)s, %(config)s,
+                                     %(task)s) AS result;
+
 -- name: first_input_of
 SELECT i.id AS input_id, i.turn_id, s.path FROM yuxi.inputs i JOIN yuxi.sessions s ON s.id = i.session_id
 WHERE i.session_id = %(session_id)s ORDER BY i.seq LIMIT 1;

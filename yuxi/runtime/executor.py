@@ -19,7 +19,6 @@ import msgspec
 import psycopg
 
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
-from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 from langgraph.errors import GraphRecursionError
 from langgraph.types import Command
 from psycopg_pool import AsyncConnectionPool
@@ -31,7 +30,7 @@ from yuxi.runtime.graph import build_graph
 from yuxi.runtime.live import CallCancelled, CancelWatch, DeltaBatcher
 from yuxi.runtime.models import build_chat_model
 from yuxi.runtime.providers import configured_providers
-from yuxi.runtime.saver import checkpoint_connection
+from yuxi.runtime.saver import RunSaver, checkpoint_connection
 from yuxi.runtime import confine, cooperation, questions, sandbox_tools  # noqa: F401  (tool registration)
 from yuxi.runtime.tools import ToolContext, available_tools
 from yuxi.services import resources, runs, sandbox
@@ -475,7 +474,7 @@ class RunExecutor:
         try:
             # `conn` is marked with this run's lease (by its start or by the
             # completion that handed it over).
-            return await self._drive_turn(run, token, visible, box, AsyncPostgresSaver(conn),
+            return await self._drive_turn(run, token, visible, box, RunSaver(conn),
                                           go_on, deltas=deltas, in_flight=in_flight)
         finally:
             if box is not None:

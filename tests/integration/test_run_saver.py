@@ -1,0 +1,89 @@
+"""The run's checkpointer (yuxi.runtime.saver.RunSaver) holds a turn's input
+checkpoint back and writes it with the next checkpoint in one round trip
+(issue 15). A run cut off in between has written nothing of the turn: the
+next run starts the turn again, and the conversation holds its input once."""
+
+from __future__ import annotations
+
+
+import psycopg
+import pytest
+from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
+
+from tests.integration.helpers import executor, new_session, rows, runs_with_status, say_agent
+from yuxi.runtime.saver import RunSaver
+from yuxi.services import conversation, runs, sessions
+
+
+@pytest.fixture
+def writes(monkeypatch):
+    """The writes (round trips) the run's checkpointer makes: the number of
+    statements of each held batch, or the LangGraph method."""
+    made: list[int | str] = []
+    original = RunSaver._write
+
+    async def counted(self, ops):
+        if n := len(self._held) + len(ops):
+            made.append(n)
+        return await original(self, ops)
+
+    monkeypatch.setattr(RunSaver, "_write", counted)
+    for name in ("aput", "aput_writes"):
+        def wrap(method, name=name):
+            async def langgraphs(self, *args, **kwargs):
+                made.append(name)
+                return await method(self, *args, **kwargs)
+            return langgraphs
+        monkeypatch.setattr(AsyncPostgresSaver, name, wrap(getattr(AsyncPostgresSaver, name)))
+    return made
+
+
+async def test_a_turns_input_step_goes_out_with_the_next_checkpoint(
+        pool, checkpoint_pool, alice, writes):
+    scope = alice[1]
+    session = await new_session(pool, scope, say_agent("answer to {{ input }}"))
+    receipt = await sessions.receive_input(pool, scope, session.id, content="q")
+    (run_id,) = await runs_with_status(pool, "ready")
+    assert await executor(pool, checkpoint_pool).execute(run_id) == "completed"
+    # The input checkpoint, its writes and step 0 in one write; the model's
+    # writes; step 1 (LangGraph's saver alone makes five writes here).
+    assert len(writes) == 3 and writes[0] >= 4, writes
+    assert writes[1:] == ["aput_writes", "aput"]
+    assert [(m["role"], m["content"]) for m in
+            await conversation.messages(checkpoint_pool, session.id)] == [
+        ("human", "q"), ("ai", "answer to q")]
+    result = await sessions.get_result(pool, scope, receipt.turn_id)
+    assert result.output["text"] == "answer to q"
+
+
+async def test_a_run_cut_off_before_its_held_input_is_written_starts_the_turn_again(
+        pool, checkpoint_pool, alice, monkeypatch):
+    scope = alice[1]
+    session = await new_session(pool, scope, say_agent("answer to {{ input }}"))
+    receipt = await sessions.receive_input(pool, scope, session.id, content="q")
+    (run_id,) = await runs_with_status(pool, "ready")
+    original = RunSaver._write
+
+    async def cut_off(self, ops):
+        if self._held:  # the connection dies as the held input would go out
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return await original(self, ops)
+
+    monkeypatch.setattr(RunSaver, "_write", cut_off)
+    assert await executor(pool, checkpoint_pool).execute(run_id) == "infra_fault"
+    assert await conversation.messages(checkpoint_pool, session.id) == []
+    monkeypatch.setattr(RunSaver, "_write", original)
+    # Recovery continues the turn in a new run (its lease was expired by the
+    # fault report), which finds no input in the conversation.
+    (retry,) = await runs.recover_expired(pool, max_attempts=3)
+    assert retry == run_id
+    (ready,) = await runs_with_status(pool, "ready")
+    assert await executor(pool, checkpoint_pool).execute(ready) == "completed"
+    assert [(m["role"], m["content"]) for m in
+            await conversation.messages(checkpoint_pool, session.id)] == [
+        ("human", "q"), ("ai", "answer to q")]
+    result = await sessions.get_result(pool, scope, receipt.turn_id)
+    assert (result.status, result.output["text"]) == ("completed", "answer to q")
+    assert [r["attempt"] for r in await rows(
+        pool, "SELECT attempt FROM yuxi.runs WHERE turn_id = %s ORDER BY attempt",
+        (receipt.turn_id,))] == [1, 2]
