@@ -57,16 +57,30 @@ async def checkpoint_connection(pool: AsyncConnectionPool) -> AsyncIterator[Asyn
 
 
 
+# LangGraph's task path of the graph's model node (a pull task).
+MODEL_TASK = "~__pregel_pull, model"
+
+
 class RunSaver(AsyncPostgresSaver):
-    """The checkpointer of a run: LangGraph's Postgres saver, except that a
-    turn's input checkpoint (LangGraph's step -1, `source: input`) and its
-    writes are held back and go out with the next checkpoint (step 0, at once
-    after it: no task runs in between) in one pipeline, one implicit
-    transaction: one round trip instead of three before a turn's first model
-    call (issue 15). A worker that dies in between has written nothing, as if
-    it died before the run began: the next run of the turn finds no input in
-    the conversation and starts the turn again (`drive`). Every other write
-    is LangGraph's own."""
+    """The checkpointer of a run: LangGraph's Postgres saver, except that
+    writes which nothing can run after are held back and go out with the
+    checkpoint that follows them, in one pipeline (one implicit transaction,
+    one round trip instead of two or three; issue 15):
+
+    - a turn's input checkpoint (LangGraph's step -1, `source: input`) and
+      its writes, with step 0;
+    - the writes of the model node, with the checkpoint of its step: the
+      model node is the only task of its step (the graph's topology,
+      yuxi.runtime.graph), so no other task runs in between, and its step's
+      checkpoint is the next thing LangGraph writes.
+
+    A worker that dies in between has written neither, as if it died a
+    moment earlier: the next run of the turn starts from the checkpoint
+    before (a turn whose input is not in the conversation starts again,
+    `drive`; a model step not saved is made again). Writes of tool tasks
+    (which may run in parallel and have effects) and error or interrupt
+    writes go out at once, and anything else first sends what is held: the
+    rest is LangGraph's own."""
 
     def __init__(self, conn: AsyncConnection) -> None:
         super().__init__(conn)
@@ -127,13 +141,17 @@ class RunSaver(AsyncPostgresSaver):
                                  "checkpoint_id": checkpoint["id"]}}
 
     async def aput_writes(self, config, writes, task_id, task_path=""):
-        if self._held and config["configurable"]["checkpoint_id"] == self._held_id:
+        checkpoint_id = config["configurable"]["checkpoint_id"]
+        if (self._held and checkpoint_id == self._held_id) or (
+                not self._held and task_path == MODEL_TASK
+                and not any(w[0] in WRITES_IDX_MAP for w in writes)):
             query = (self.UPSERT_CHECKPOINT_WRITES_SQL
                      if all(w[0] in WRITES_IDX_MAP for w in writes)
                      else self.INSERT_CHECKPOINT_WRITES_SQL)
             self._held.append((query, self._dump_writes(
                 config["configurable"]["thread_id"], config["configurable"]["checkpoint_ns"],
-                config["configurable"]["checkpoint_id"], task_id, task_path, writes), True))
+                checkpoint_id, task_id, task_path, writes), True))
+            self._held_id = checkpoint_id
             return
         await self._write([])  # never write around what is held
         await super().aput_writes(config, writes, task_id, task_path)
