@@ -29,6 +29,13 @@ def writes(monkeypatch):
         return await original(self, ops)
 
     monkeypatch.setattr(RunSaver, "_write", counted)
+    original_with = RunSaver.write_with
+
+    async def counted_with(self, query, params):
+        made.append(f"{len(self._held)} with completion")
+        return await original_with(self, query, params)
+
+    monkeypatch.setattr(RunSaver, "write_with", counted_with)
     for name in ("aput", "aput_writes"):
         def wrap(method, name=name):
             async def langgraphs(self, *args, **kwargs):
@@ -47,8 +54,10 @@ async def test_a_turns_input_step_goes_out_with_the_next_checkpoint(
     (run_id,) = await runs_with_status(pool, "ready")
     assert await executor(pool, checkpoint_pool).execute(run_id) == "completed"
     # The input checkpoint, its writes and step 0 in one write; the model's
-    # writes and step 1 in another (LangGraph's saver alone makes five).
-    assert len(writes) == 2 and writes[0] >= 4 and writes[1] >= 2, writes
+    # writes and step 1 (the last: no tool call) with the completion
+    # (LangGraph's saver alone makes five writes, the completion a sixth).
+    assert len(writes) == 2 and writes[0] >= 4 and writes[1] in (
+        "2 with completion", "3 with completion"), writes
     assert [(m["role"], m["content"]) for m in
             await conversation.messages(checkpoint_pool, session.id)] == [
         ("human", "q"), ("ai", "answer to q")]
@@ -102,33 +111,32 @@ async def test_tool_writes_go_out_at_once(pool, checkpoint_pool, alice, writes):
     (run_id,) = await runs_with_status(pool, "ready")
     assert await executor(pool, checkpoint_pool).execute(run_id) == "completed"
     # input + step 0 | model writes + step 1 | echo a | echo b | step 2
-    # (LangGraph's) | model writes + step 3.
-    assert [w if isinstance(w, str) else "held" for w in writes] == [
+    # (LangGraph's) | model writes + step 3 with the completion.
+    assert [w if isinstance(w, str) and " with " not in w else "held" for w in writes] == [
         "held", "held", "aput_writes", "aput_writes", "aput", "held"], writes
 
 
-async def test_a_run_cut_off_before_its_held_model_step_is_written_makes_it_again(
+async def test_the_last_checkpoint_commits_with_the_completion_or_not_at_all(
         pool, checkpoint_pool, alice, monkeypatch):
+    # The connection dies as the final answer's step and the completion go
+    # out together: neither is there; the next run makes the step again.
     scope = alice[1]
     session = await new_session(pool, scope, say_agent("answer to {{ input }}"))
     receipt = await sessions.receive_input(pool, scope, session.id, content="q")
     (run_id,) = await runs_with_status(pool, "ready")
-    original = RunSaver._write
-    flushes = []
+    original = RunSaver.write_with
 
-    async def cut_off(self, ops):
-        if self._held:
-            flushes.append(len(self._held))
-            if len(flushes) == 2:  # the model's writes and step 1
-                raise psycopg.OperationalError("server closed the connection unexpectedly")
-        return await original(self, ops)
+    async def cut_off(self, query, params):
+        assert self._held  # the model's writes and its step's checkpoint
+        raise psycopg.OperationalError("server closed the connection unexpectedly")
 
-    monkeypatch.setattr(RunSaver, "_write", cut_off)
+    monkeypatch.setattr(RunSaver, "write_with", cut_off)
     assert await executor(pool, checkpoint_pool).execute(run_id) == "infra_fault"
-    # Step 0 is there (the input), not the model's answer.
+    # Step 0 is there (the input), not the model's answer; the turn runs on.
     assert [m["role"] for m in await conversation.messages(checkpoint_pool, session.id)] == [
         "human"]
-    monkeypatch.setattr(RunSaver, "_write", original)
+    assert (await sessions.get_turn(pool, scope, receipt.turn_id)).status == "running"
+    monkeypatch.setattr(RunSaver, "write_with", original)
     (retry,) = await runs.recover_expired(pool, max_attempts=3)
     (ready,) = await runs_with_status(pool, "ready")
     assert await executor(pool, checkpoint_pool).execute(ready) == "completed"
@@ -137,3 +145,26 @@ async def test_a_run_cut_off_before_its_held_model_step_is_written_makes_it_agai
         ("human", "q"), ("ai", "answer to q")]
     result = await sessions.get_result(pool, scope, receipt.turn_id)
     assert (result.status, result.output["text"]) == ("completed", "answer to q")
+
+
+async def test_a_completion_refused_by_the_fence_writes_no_checkpoint(
+        pool, checkpoint_pool, alice, monkeypatch):
+    # The lease is lost just before the completion (another run took the
+    # turn over): complete_run_v1 raises YX003 and the held checkpoint of
+    # the final step, in the same transaction, is not written either.
+    scope = alice[1]
+    session = await new_session(pool, scope, say_agent("answer to {{ input }}"))
+    await sessions.receive_input(pool, scope, session.id, content="q")
+    (run_id,) = await runs_with_status(pool, "ready")
+    original = RunSaver.write_with
+
+    async def expire_first(self, query, params):
+        async with pool.connection() as conn:
+            await conn.execute("UPDATE yuxi.runs SET lease_token = gen_random_uuid() "
+                               "WHERE id = %s", (run_id,))
+        return await original(self, query, params)
+
+    monkeypatch.setattr(RunSaver, "write_with", expire_first)
+    assert await executor(pool, checkpoint_pool).execute(run_id) == "lease_lost"
+    assert [m["role"] for m in await conversation.messages(checkpoint_pool, session.id)] == [
+        "human"]

@@ -515,7 +515,7 @@ class RunExecutor:
                 saver.conn, run["id"], token, {"text": answer.text, "message_id": answer.id},
                 delivered, next_token=next_token, lease_seconds=self.settings.lease_seconds,
                 events=[{"type": type_, "data": data,
-                         "dedupe_key": f"{run['turn_id']}:{key}"}], mark=True)
+                         "dedupe_key": f"{run['turn_id']}:{key}"}], mark=True, saver=saver)
             if outcome != "steer":
                 return outcome, (following, next_token) if following else None
             resume = None

@@ -72,7 +72,12 @@ class RunSaver(AsyncPostgresSaver):
     - the writes of the model node, with the checkpoint of its step: the
       model node is the only task of its step (the graph's topology,
       yuxi.runtime.graph), so no other task runs in between, and its step's
-      checkpoint is the next thing LangGraph writes.
+      checkpoint is the next thing LangGraph writes;
+    - when the model answered without tool calls, that checkpoint ends the
+      graph: it and the model's writes wait for the run's completion, which
+      the executor sends through `write_with` (complete_run_v1 in the same
+      implicit transaction: the turn's last checkpoint commits with its
+      result, one round trip for both).
 
     A worker that dies in between has written neither, as if it died a
     moment earlier: the next run of the turn starts from the checkpoint
@@ -86,6 +91,7 @@ class RunSaver(AsyncPostgresSaver):
         super().__init__(conn)
         self._held: list[tuple[str, Any, bool]] = []
         self._held_id: str | None = None
+        self._ending = False  # the held writes are a final answer's
 
     def _checkpoint_ops(self, config, checkpoint, metadata, new_versions):
         # The statements of AsyncPostgresSaver.aput (langgraph-checkpoint-postgres 3.x).
@@ -117,7 +123,7 @@ class RunSaver(AsyncPostgresSaver):
 
     async def _write(self, ops: list[tuple[str, Any, bool]]) -> None:
         """What is held, then `ops`, in one pipeline (one implicit transaction)."""
-        ops, self._held, self._held_id = [*self._held, *ops], [], None
+        ops, self._held, self._held_id, self._ending = [*self._held, *ops], [], None, False
         if not ops:
             return
         async with self.lock, _ainternal.get_connection(self.conn) as conn:
@@ -128,10 +134,31 @@ class RunSaver(AsyncPostgresSaver):
                     else:
                         await cur.execute(query, params)
 
+    async def write_with(self, query: str, params: Any) -> Any:
+        """What is held, then `query`, in one pipeline: they commit together
+        (or not at all). Returns the query's first row."""
+        ops, self._held, self._held_id, self._ending = self._held, [], None, False
+        async with self.lock, _ainternal.get_connection(self.conn) as conn:
+            async with conn.pipeline():
+                if ops:
+                    async with conn.cursor(binary=True) as held:
+                        for op_query, op_params, many in ops:
+                            if many:
+                                await held.executemany(op_query, op_params)
+                            else:
+                                await held.execute(op_query, op_params)
+                cur = await conn.execute(query, params)
+            return await cur.fetchone()
+
     async def aput(self, config, checkpoint, metadata, new_versions):
         if (metadata or {}).get("source") == "input" and not self._held:
             self._held = self._checkpoint_ops(config, checkpoint, metadata, new_versions)
             self._held_id = checkpoint["id"]
+        elif self._ending and config["configurable"].get("checkpoint_id") == self._held_id:
+            # The model answered without tool calls: this is the turn's last
+            # checkpoint, held for the run's completion (write_with).
+            self._held += self._checkpoint_ops(config, checkpoint, metadata, new_versions)
+            self._held_id, self._ending = checkpoint["id"], False
         elif self._held:
             await self._write(self._checkpoint_ops(config, checkpoint, metadata, new_versions))
         else:
@@ -148,6 +175,9 @@ class RunSaver(AsyncPostgresSaver):
             query = (self.UPSERT_CHECKPOINT_WRITES_SQL
                      if all(w[0] in WRITES_IDX_MAP for w in writes)
                      else self.INSERT_CHECKPOINT_WRITES_SQL)
+            # The model's answer without tool calls (its writes are its
+            # messages only): the step's checkpoint ends the graph.
+            self._ending = not self._held and all(w[0] == "messages" for w in writes)
             self._held.append((query, self._dump_writes(
                 config["configurable"]["thread_id"], config["configurable"]["checkpoint_ns"],
                 checkpoint_id, task_id, task_path, writes), True))

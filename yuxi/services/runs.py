@@ -57,7 +57,7 @@ async def complete(
     source: AsyncConnectionPool | AsyncConnection, run_id: uuid.UUID, token: uuid.UUID,
     output: dict[str, Any], delivered: list[uuid.UUID] = (), *,
     next_token: uuid.UUID | None = None, lease_seconds: float | None = None,
-    events: list[dict[str, Any]] = (), mark: bool = False,
+    events: list[dict[str, Any]] = (), mark: bool = False, saver: Any = None,
 ) -> tuple[str, dict[str, Any] | None]:
     """Complete the run and its turn: 'completed'; 'steer' (nothing changed)
     when the turn took in a steer that is not among `delivered` (deliver it
@@ -68,13 +68,19 @@ async def complete(
     oldest pending run, else the parent whose wait it satisfies, else the
     session's next queued turn), when it may run on this run's host, comes
     back leased with that token (as `start_run` returns it) and gets no job:
-    the caller must execute it (`mark`: as in `start_run`)."""
-    async with db.connection(source) as conn:
-        row = await db.fetch_one(
-            conn, "complete_run",
-            {"run_id": run_id, "token": token, "output": Jsonb(output),
-             "delivered": list(delivered), "next_token": next_token,
-             "lease_seconds": lease_seconds, "events": Jsonb(list(events)), "mark": mark})
+    the caller must execute it (`mark`: as in `start_run`).
+
+    `saver` (yuxi.runtime.saver.RunSaver, on `source`): the run's held
+    checkpoint writes go out with the completion, in one transaction."""
+    params = {"run_id": run_id, "token": token, "output": Jsonb(output),
+              "delivered": list(delivered), "next_token": next_token,
+              "lease_seconds": lease_seconds, "events": Jsonb(list(events)), "mark": mark}
+    if saver is not None:
+        with db.domain_errors():
+            row = await saver.write_with(db.QUERIES["complete_run"], params)
+    else:
+        async with db.connection(source) as conn:
+            row = await db.fetch_one(conn, "complete_run", params)
     outcome = row.pop("outcome")
     return outcome, (row if row["id"] is not None else None)
 
