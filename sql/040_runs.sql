@@ -6,13 +6,18 @@
 -- input, the session's identity, and whether anything waits at the run's
 -- first model boundary (a cancel intent, a steer of its turn, an unprocessed
 -- message to its session): when nothing does, the worker skips that check.
+-- `first_run`: the first run of the session's first turn (attempt 1, no
+-- resume), so its conversation has no checkpoint yet (only runs of a session
+-- and the cleanup of a turn that had runs write its checkpoints): the
+-- worker's checkpointer skips the read of the latest checkpoint.
 CREATE TYPE yuxi.leased_run AS (
     id uuid, turn_id uuid, session_id uuid, tree_id uuid, user_id uuid, app_id uuid,
     attempt integer, config jsonb, resume jsonb,
     input_id uuid, input_content text,
     session_name text, session_path text, session_parent_id uuid,
     boundary_pending boolean,
-    created_at timestamptz, started_at timestamptz
+    created_at timestamptz, started_at timestamptz,
+    first_run boolean
 );
 
 CREATE FUNCTION yuxi.leased_run_v1(p_run uuid) RETURNS yuxi.leased_run
@@ -26,7 +31,10 @@ BEGIN
            OR EXISTS (SELECT 1 FROM yuxi.inputs x WHERE x.turn_id = t.id AND x.id <> t.input_id)
            OR EXISTS (SELECT 1 FROM yuxi.messages m
                       WHERE m.receiver_session_id = r.session_id AND m.processed_at IS NULL),
-           r.created_at, r.started_at
+           r.created_at, r.started_at,
+           r.attempt = 1 AND r.resume IS NULL
+           AND NOT EXISTS (SELECT 1 FROM yuxi.turns p
+                            WHERE p.session_id = r.session_id AND p.seq < t.seq)
       INTO v_out
       FROM yuxi.runs r
       JOIN yuxi.turns t ON t.id = r.turn_id

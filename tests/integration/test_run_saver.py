@@ -7,11 +7,14 @@ conversation holds its input once; writes of tool calls go out at once."""
 from __future__ import annotations
 
 
+import uuid
+
 import psycopg
 import pytest
 from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 
-from tests.integration.helpers import executor, new_session, rows, runs_with_status, say_agent
+from tests.integration.helpers import (
+    executor, new_session, rewrite_function, rows, runs_with_status, say_agent, scalar)
 from yuxi.runtime.saver import RunSaver
 from yuxi.services import conversation, runs, sessions
 
@@ -168,3 +171,66 @@ async def test_a_completion_refused_by_the_fence_writes_no_checkpoint(
     assert await executor(pool, checkpoint_pool).execute(run_id) == "lease_lost"
     assert [m["role"] for m in await conversation.messages(checkpoint_pool, session.id)] == [
         "human"]
+
+
+async def _reads(monkeypatch) -> list[str]:
+    """Reads of the latest checkpoint that reach the database."""
+    made: list[str] = []
+    original = AsyncPostgresSaver.aget_tuple
+
+    async def counted(self, config):
+        made.append(config["configurable"]["thread_id"])
+        return await original(self, config)
+
+    monkeypatch.setattr(AsyncPostgresSaver, "aget_tuple", counted)
+    return made
+
+
+async def _two_turns(pool, checkpoint_pool, scope):
+    session = await new_session(pool, scope, say_agent("answer to {{ input }}"))
+    for text in ("one", "two"):
+        await sessions.receive_input(pool, scope, session.id, content=text)
+        (run_id,) = await runs_with_status(pool, "ready")
+        assert await executor(pool, checkpoint_pool).execute(run_id) == "completed"
+    return session
+
+
+async def test_a_sessions_first_run_skips_the_checkpoint_read(
+        pool, checkpoint_pool, alice, monkeypatch):
+    reads = await _reads(monkeypatch)
+    session = await _two_turns(pool, checkpoint_pool, alice[1])
+    # The first turn's run knew there was nothing to read; the second read.
+    assert reads == [str(session.id)]
+    assert [(m["role"], m["content"]) for m in
+            await conversation.messages(checkpoint_pool, session.id)] == [
+        ("human", "one"), ("ai", "answer to one"), ("human", "two"), ("ai", "answer to two")]
+
+
+async def test_only_the_first_run_of_the_first_turn_is_first(pool, checkpoint_pool, alice):
+    scope = alice[1]
+    session = await new_session(pool, scope, say_agent())
+    await sessions.receive_input(pool, scope, session.id, content="one")
+    await sessions.receive_input(pool, scope, session.id, content="two", mode="queue")
+    (first,) = await runs_with_status(pool, "ready")
+    flag = "SELECT (yuxi.leased_run_v1(%s)).first_run AS first"
+    assert (await rows(pool, flag, (first,)))[0]["first"] is True
+    # Its retry after a lost lease is not (its predecessor may have written).
+    token = uuid.uuid4()
+    await runs.start_run(pool, first, token, 30)
+    await scalar(pool, "UPDATE yuxi.runs SET lease_expires_at = clock_timestamp() - "
+                       "interval '1 s' WHERE id = %s RETURNING id", (first,))
+    (retry,) = await runs.recover_expired(pool, max_attempts=3)
+    (ready,) = await runs_with_status(pool, "ready")
+    assert (await rows(pool, flag, (ready,)))[0]["first"] is False
+    assert await executor(pool, checkpoint_pool, continued_runs=0).execute(ready) == "completed"
+    (second,) = await runs_with_status(pool, "ready")
+    assert (await rows(pool, flag, (second,)))[0]["first"] is False
+
+
+async def test_without_the_first_turn_check_a_later_turn_would_lose_its_history(
+        pool, checkpoint_pool, alice):
+    # Negative: every attempt-1 run taken for the session's first.
+    await rewrite_function(pool, "yuxi.leased_run_v1", "p.seq < t.seq", "false")
+    session = await _two_turns(pool, checkpoint_pool, alice[1])
+    assert [m["content"] for m in await conversation.messages(checkpoint_pool, session.id)] == [
+        "two", "answer to two"]

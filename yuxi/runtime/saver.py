@@ -87,8 +87,12 @@ class RunSaver(AsyncPostgresSaver):
     writes go out at once, and anything else first sends what is held: the
     rest is LangGraph's own."""
 
-    def __init__(self, conn: AsyncConnection) -> None:
+    def __init__(self, conn: AsyncConnection, *, empty: bool = False) -> None:
         super().__init__(conn)
+        # `empty`: the thread has no checkpoint yet (the first run of a
+        # session's first turn, yuxi.leased_run.first_run): the first read
+        # of its latest checkpoint needs no round trip.
+        self._empty = empty
         self._held: list[tuple[str, Any, bool]] = []
         self._held_id: str | None = None
         self._ending = False  # the held writes are a final answer's
@@ -187,5 +191,9 @@ class RunSaver(AsyncPostgresSaver):
         await super().aput_writes(config, writes, task_id, task_path)
 
     async def aget_tuple(self, config):
+        if self._empty and not self._held:
+            self._empty = False
+            return None
+        self._empty = False
         await self._write([])  # never read around what is held
         return await super().aget_tuple(config)
