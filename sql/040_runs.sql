@@ -181,6 +181,29 @@ BEGIN
 END;
 $$;
 
+-- A tool call begins (a tool task of the graph): unless a cancel intent was
+-- committed for the run's turn (then nothing is recorded and false comes
+-- back: the run stops before the call), its `tool.started` event is
+-- recorded, fenced by the lease. The cancel check and the event in one
+-- statement: each call of a fan-out takes a connection once before its
+-- effect, not twice (issue 15).
+CREATE FUNCTION yuxi.start_tool_call_v1(p_run uuid, p_token uuid, p_data jsonb,
+                                        p_dedupe_key text) RETURNS boolean
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_run yuxi.runs;
+BEGIN
+    IF EXISTS (SELECT 1 FROM yuxi.runs r JOIN yuxi.turns t ON t.id = r.turn_id
+               WHERE r.id = p_run AND t.cancel_requested_at IS NOT NULL) THEN
+        RETURN false;
+    END IF;
+    v_run := yuxi.fence_run_v1(p_run, p_token);
+    PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
+                               'tool.started', p_data, p_dedupe_key);
+    RETURN true;
+END;
+$$;
+
 -- Record that steers of the run's turn reached the conversation (they are in
 -- the checkpoint the worker just committed).
 CREATE FUNCTION yuxi.mark_steers_delivered_v1(p_run uuid, p_token uuid, p_inputs uuid[])

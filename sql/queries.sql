@@ -149,6 +149,9 @@ SELECT yuxi.heartbeat_run_v1(%(run_id)s, %(token)s, %(lease_seconds)s) AS held;
 -- name: check_lease
 SELECT yuxi.check_lease_v1(%(run_id)s, %(token)s);
 
+-- name: start_tool_call
+SELECT yuxi.start_tool_call_v1(%(run_id)s, %(token)s, %(data)s, %(dedupe_key)s) AS started;
+
 -- name: emit_run_event
 SELECT yuxi.emit_run_event_v1(%(run_id)s, %(token)s, %(type)s, %(data)s, %(dedupe_key)s) AS seq;
 

@@ -21,6 +21,7 @@ import psycopg
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langgraph.errors import GraphRecursionError
 from langgraph.types import Command
+from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from yuxi import db
@@ -85,9 +86,17 @@ class EventReporter:
             await self._emit(*message_event(message))
 
     async def tool_started(self, call: dict[str, Any]) -> None:
-        await self._emit("tool.started", {"call_id": call["id"], "tool": call["name"],
-                                          "args": call.get("args") or {}},
-                         f"tool.started:{call['id']}")
+        """The call's `tool.started`, or TurnCancelled when a cancel intent
+        was committed (checked before each tool call, in the same statement)."""
+        async with self.pool.connection() as conn:
+            with db.domain_errors():
+                row = await db.fetch_one(conn, "start_tool_call", {
+                    "run_id": self.run_id, "token": self.token,
+                    "data": Jsonb({"call_id": call["id"], "tool": call["name"],
+                                   "args": call.get("args") or {}}),
+                    "dedupe_key": f"{self.turn_id}:tool.started:{call['id']}"})
+        if not row["started"]:
+            raise TurnCancelled(f"turn {self.turn_id} was cancelled")
 
     async def tool_finished(self, call: dict[str, Any], result: str) -> None:
         await self._emit("tool.finished", {"call_id": call["id"], "tool": call["name"],
@@ -434,10 +443,6 @@ class RunExecutor:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
 
-    async def _guard(self, turn_id: uuid.UUID) -> None:
-        if await runs.cancel_requested(self.pool, turn_id):
-            raise TurnCancelled(f"turn {turn_id} was cancelled")
-
     async def _keep_lease(self, run_id: uuid.UUID, token: uuid.UUID) -> None:
         """Heartbeat until the lease is lost (then return)."""
         interval = self.settings.lease_seconds / 3
@@ -557,7 +562,9 @@ class RunExecutor:
                                 call_id=call_id, visible=tuple(visible), run=run,
                                 cursors=cursors, waits_in_step=waits_in_step,
                                 default_model=self.settings.default_model, sandbox=box),
-                            guard=lambda: self._guard(run["turn_id"]),
+                            # The cancel check before each tool call is in
+                            # the reporter's tool_started (one statement).
+                            guard=None,
                             policy=policy, in_flight=in_flight)
         cfg = {"configurable": {"thread_id": str(run["session_id"])},
                "recursion_limit": 2 * int(config.get("max_steps", 25)) + 2}
