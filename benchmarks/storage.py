@@ -127,7 +127,7 @@ async def run(opts: argparse.Namespace) -> dict[int, dict[str, tuple[int, int, i
         await pool.open(wait=True)
         await checkpoints.open(wait=True)
         executor = RunExecutor(Settings(database_url=opts.database_url), pool, checkpoints,
-                               max_continued_turns=0)
+                               max_continued_runs=0)
         return pool, checkpoints, executor
 
     pool, checkpoints, executor = await open_pools()

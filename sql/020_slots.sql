@@ -32,6 +32,112 @@ BEGIN
 END;
 $$;
 
+-- Hand-over (issue 15). A worker completing a run offers, in its completing
+-- transaction, to go on at once with a run that this transaction gives a
+-- slot to: a pending run of the tree served by the slot it releases, the
+-- parent whose wait its completion satisfies, its session's next turn. The
+-- offer lasts until the transaction ends (transaction-local settings, so a
+-- pooled connection never carries it further) and is taken at most once:
+-- the first run given a slot that may run on the worker's host becomes
+-- `running`, leased to the worker with the offered token (run.started, no
+-- job); every other run gets its job as before. That saves the job's NOTIFY,
+-- a worker's fetch and the start transaction between a slot's release and
+-- its next run. A run so leased is like any leased run: if the worker dies
+-- before or while executing it, its lease expires and recovery continues it.
+CREATE FUNCTION yuxi.offer_hand_over_v1(p_token uuid, p_lease_seconds double precision,
+                                        p_host text) RETURNS void
+    LANGUAGE plpgsql AS $$
+BEGIN
+    IF p_lease_seconds IS NULL THEN
+        RAISE EXCEPTION 'a hand-over needs a lease duration' USING ERRCODE = 'YX007';
+    END IF;
+    PERFORM set_config('yuxi.hand_over_token', p_token::text, true),
+            set_config('yuxi.hand_over_lease', p_lease_seconds::text, true),
+            set_config('yuxi.hand_over_host', coalesce(p_host, ''), true),
+            set_config('yuxi.hand_over_run', '', true);
+END;
+$$;
+
+-- Close the offer (the completing transaction is done giving slots); returns
+-- the run that took it, NULL when none did.
+CREATE FUNCTION yuxi.close_hand_over_v1() RETURNS uuid
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_run uuid := nullif(current_setting('yuxi.hand_over_run', true), '')::uuid;
+BEGIN
+    PERFORM set_config('yuxi.hand_over_token', '', true),
+            set_config('yuxi.hand_over_run', '', true);
+    RETURN v_run;
+END;
+$$;
+
+-- Take the open offer for p_run, a run of p_tree being given a slot: its
+-- token, or NULL when there is no offer (any more) or the run may not run on
+-- the offering worker's host (host affinity: the tree's runs go to the host
+-- queue of its live sandbox, sql/120_hosts.sql; a worker without a host id
+-- takes only runs of the shared queue).
+CREATE FUNCTION yuxi.take_hand_over_v1(p_tree uuid, p_run uuid) RETURNS uuid
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_token uuid := nullif(current_setting('yuxi.hand_over_token', true), '')::uuid;
+    v_queue text;
+BEGIN
+    IF v_token IS NULL THEN
+        RETURN NULL;
+    END IF;
+    v_queue := yuxi.run_queue_v1(p_tree);
+    IF v_queue <> 'runs'
+       AND v_queue IS DISTINCT FROM 'runs@' || yuxi.hand_over_host_v1() THEN
+        RETURN NULL;
+    END IF;
+    -- Taken: one run per offer (a second one would share the token).
+    PERFORM set_config('yuxi.hand_over_token', '', true);
+    PERFORM set_config('yuxi.hand_over_run', p_run::text, true);
+    RETURN v_token;
+END;
+$$;
+
+-- The lease of a run taken by a hand-over: as start_run_v1 writes it.
+CREATE FUNCTION yuxi.hand_over_lease_expiry_v1() RETURNS timestamptz
+    LANGUAGE sql VOLATILE AS $$
+    SELECT clock_timestamp()
+           + make_interval(secs => current_setting('yuxi.hand_over_lease')::double precision);
+$$;
+
+-- The host of the worker whose offer is open (NULL: none, or no host id).
+CREATE FUNCTION yuxi.hand_over_host_v1() RETURNS text
+    LANGUAGE sql STABLE AS $$
+    SELECT nullif(current_setting('yuxi.hand_over_host', true), '');
+$$;
+
+-- A pending run gets a slot of its tree (the caller holds the tree lock):
+-- leased to the worker whose offer is open (take_hand_over_v1), else ready
+-- with its job deferred.
+CREATE FUNCTION yuxi.give_slot_v1(p_run uuid, p_tree uuid) RETURNS void
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_token uuid := yuxi.take_hand_over_v1(p_tree, p_run);
+    v_run yuxi.runs;
+BEGIN
+    INSERT INTO yuxi.slot_claims (run_id, tree_id) VALUES (p_run, p_tree);
+    IF v_token IS NULL THEN
+        UPDATE yuxi.runs SET status = 'ready' WHERE id = p_run;
+        PERFORM yuxi.defer_run_job_v1(p_run);
+        RETURN;
+    END IF;
+    UPDATE yuxi.runs
+       SET status = 'running', lease_token = v_token, started_at = now(),
+           host_id = yuxi.hand_over_host_v1(),
+           lease_expires_at = yuxi.hand_over_lease_expiry_v1()
+     WHERE id = p_run
+    RETURNING * INTO v_run;
+    PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
+                               'run.started', jsonb_strip_nulls(jsonb_build_object(
+                                   'attempt', v_run.attempt, 'host', v_run.host_id,
+                                   'handed_over', true)));
+END;
+$$;
+
 -- Give a slot to a pending run if the tree has one free and no older run is
 -- waiting; the run becomes ready and its job is deferred. Returns true when
 -- the slot was taken; otherwise the run stays pending in the FIFO.
@@ -57,9 +163,7 @@ BEGIN
                     AND slot_seq < v_run.slot_seq) THEN
         RETURN false;
     END IF;
-    INSERT INTO yuxi.slot_claims (run_id, tree_id) VALUES (p_run, v_run.tree_id);
-    UPDATE yuxi.runs SET status = 'ready' WHERE id = p_run;
-    PERFORM yuxi.defer_run_job_v1(p_run);
+    PERFORM yuxi.give_slot_v1(p_run, v_run.tree_id);
     RETURN true;
 END;
 $$;
@@ -84,9 +188,7 @@ BEGIN
         LIMIT greatest(v_free, 0)
         FOR UPDATE
     LOOP
-        INSERT INTO yuxi.slot_claims (run_id, tree_id) VALUES (v_run, p_tree);
-        UPDATE yuxi.runs SET status = 'ready' WHERE id = v_run;
-        PERFORM yuxi.defer_run_job_v1(v_run);
+        PERFORM yuxi.give_slot_v1(v_run, p_tree);
         v_given := v_given + 1;
     END LOOP;
     RETURN v_given;

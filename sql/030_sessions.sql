@@ -47,56 +47,56 @@ $$;
 -- Create the first run of a turn that has just become `running` (the caller
 -- holds the tree lock and passes the tree row): ready with a slot and a job
 -- when the tree has a slot free and no run waiting (as claim_slot_v1 would
--- decide, written once), else pending in the tree FIFO. With p_lease_token, a
--- run that gets its slot is created running, leased to the caller with that
--- token for p_lease_seconds (the worker that finished the session's previous
--- turn goes on with it: no job). Each run is written once, in its final
+-- decide, written once), else pending in the tree FIFO. A run that gets its
+-- slot while a completing worker's hand-over offer is open
+-- (take_hand_over_v1, sql/020_slots.sql) is created running, leased to that
+-- worker: it goes on with it, no job. Each run is written once, in its final
 -- state. Emits turn.started (and run.started when leased). Returns the run
--- when it is leased to the caller, NULL otherwise.
-CREATE FUNCTION yuxi.start_turn_run_v1(p_turn yuxi.turns, p_tree yuxi.trees, p_config jsonb,
-                                       p_lease_token uuid, p_lease_seconds double precision)
+-- when it was handed over, NULL otherwise.
+CREATE FUNCTION yuxi.start_turn_run_v1(p_turn yuxi.turns, p_tree yuxi.trees, p_config jsonb)
 RETURNS uuid
     LANGUAGE plpgsql AS $$
 DECLARE
-    v_run uuid;
+    v_run uuid := gen_random_uuid();
     v_ready boolean := yuxi.slot_free_v1(p_tree);
-    v_leased boolean := v_ready AND p_lease_token IS NOT NULL;
+    v_token uuid := CASE WHEN v_ready THEN yuxi.take_hand_over_v1(p_tree.id, v_run) END;
+    v_host text := CASE WHEN v_token IS NOT NULL THEN yuxi.hand_over_host_v1() END;
 BEGIN
-    INSERT INTO yuxi.runs (turn_id, session_id, tree_id, user_id, app_id, config, status,
-                           lease_token, lease_expires_at, started_at)
-    VALUES (p_turn.id, p_turn.session_id, p_turn.tree_id, p_turn.user_id, p_turn.app_id,
+    INSERT INTO yuxi.runs (id, turn_id, session_id, tree_id, user_id, app_id, config, status,
+                           lease_token, lease_expires_at, started_at, host_id)
+    VALUES (v_run, p_turn.id, p_turn.session_id, p_turn.tree_id, p_turn.user_id, p_turn.app_id,
             p_config,
-            CASE WHEN v_leased THEN 'running' WHEN v_ready THEN 'ready' ELSE 'pending' END,
-            CASE WHEN v_leased THEN p_lease_token END,
-            CASE WHEN v_leased
-                 THEN clock_timestamp() + make_interval(secs => p_lease_seconds) END,
-            CASE WHEN v_leased THEN now() END)
-    RETURNING id INTO v_run;
+            CASE WHEN v_token IS NOT NULL THEN 'running' WHEN v_ready THEN 'ready'
+                 ELSE 'pending' END,
+            v_token,
+            CASE WHEN v_token IS NOT NULL THEN yuxi.hand_over_lease_expiry_v1() END,
+            CASE WHEN v_token IS NOT NULL THEN now() END,
+            v_host);
     IF v_ready THEN
         INSERT INTO yuxi.slot_claims (run_id, tree_id) VALUES (v_run, p_turn.tree_id);
-        IF NOT v_leased THEN
+        IF v_token IS NULL THEN
             PERFORM yuxi.defer_run_job_v1(v_run);
         END IF;
     END IF;
     PERFORM yuxi.emit_event_v1(p_turn.tree_id, p_turn.session_id, p_turn.id, v_run,
                                'turn.started', jsonb_build_object('input_id', p_turn.input_id));
-    IF NOT v_leased THEN
+    IF v_token IS NULL THEN
         RETURN NULL;
     END IF;
     PERFORM yuxi.emit_event_v1(p_turn.tree_id, p_turn.session_id, p_turn.id, v_run,
-                               'run.started', jsonb_build_object('attempt', 1));
+                               'run.started', jsonb_strip_nulls(jsonb_build_object(
+                                   'attempt', 1, 'host', v_host, 'handed_over', true)));
     RETURN v_run;
 END;
 $$;
 
 -- Start the session's oldest queued turn if nothing is in flight and its
 -- queue is not paused: the turn runs and its first run is created with the
--- input's frozen config (start_turn_run_v1; with p_lease_token it may be
--- leased to the caller). Returns the started turn (NULL when none) and its
--- run when that was leased to the caller. Caller holds the tree lock or not;
--- it is taken here first either way.
-CREATE FUNCTION yuxi.start_next_turn_v1(p_session uuid, p_lease_token uuid DEFAULT NULL,
-                                        p_lease_seconds double precision DEFAULT NULL,
+-- input's frozen config (start_turn_run_v1: it may be handed over to a
+-- completing worker). Returns the started turn (NULL when none) and its run
+-- when that was handed over. Caller holds the tree lock or not; it is taken
+-- here first either way.
+CREATE FUNCTION yuxi.start_next_turn_v1(p_session uuid,
                                         OUT started_turn uuid, OUT leased_run uuid)
     LANGUAGE plpgsql AS $$
 DECLARE
@@ -127,8 +127,7 @@ BEGIN
         WHERE id = v_turn.input_id
         RETURNING context_snapshot INTO v_snapshot;
     started_turn := v_turn.id;
-    leased_run := yuxi.start_turn_run_v1(v_turn, v_tree, v_snapshot, p_lease_token,
-                                         p_lease_seconds);
+    leased_run := yuxi.start_turn_run_v1(v_turn, v_tree, v_snapshot);
 END;
 $$;
 
@@ -231,7 +230,7 @@ BEGIN
     -- queued; an idle session whose open queue holds older turns starts the
     -- oldest (a paused queue stays as it is).
     IF v_start THEN
-        PERFORM yuxi.start_turn_run_v1(v_new_turn, v_tree, v_snapshot, NULL, NULL);
+        PERFORM yuxi.start_turn_run_v1(v_new_turn, v_tree, v_snapshot);
     ELSIF v_active.id IS NULL THEN
         PERFORM yuxi.start_next_turn_v1(p_session);
     END IF;

@@ -6,13 +6,18 @@
 -- input, the session's identity, and whether anything waits at the run's
 -- first model boundary (a cancel intent, a steer of its turn, an unprocessed
 -- message to its session): when nothing does, the worker skips that check.
+-- `first_run`: the first run of the session's first turn (attempt 1, no
+-- resume), so its conversation has no checkpoint yet (only runs of a session
+-- and the cleanup of a turn that had runs write its checkpoints): the
+-- worker's checkpointer skips the read of the latest checkpoint.
 CREATE TYPE yuxi.leased_run AS (
     id uuid, turn_id uuid, session_id uuid, tree_id uuid, user_id uuid, app_id uuid,
     attempt integer, config jsonb, resume jsonb,
     input_id uuid, input_content text,
     session_name text, session_path text, session_parent_id uuid,
     boundary_pending boolean,
-    created_at timestamptz, started_at timestamptz
+    created_at timestamptz, started_at timestamptz,
+    first_run boolean
 );
 
 CREATE FUNCTION yuxi.leased_run_v1(p_run uuid) RETURNS yuxi.leased_run
@@ -26,7 +31,10 @@ BEGIN
            OR EXISTS (SELECT 1 FROM yuxi.inputs x WHERE x.turn_id = t.id AND x.id <> t.input_id)
            OR EXISTS (SELECT 1 FROM yuxi.messages m
                       WHERE m.receiver_session_id = r.session_id AND m.processed_at IS NULL),
-           r.created_at, r.started_at
+           r.created_at, r.started_at,
+           r.attempt = 1 AND r.resume IS NULL
+           AND NOT EXISTS (SELECT 1 FROM yuxi.turns p
+                            WHERE p.session_id = r.session_id AND p.seq < t.seq)
       INTO v_out
       FROM yuxi.runs r
       JOIN yuxi.turns t ON t.id = r.turn_id
@@ -142,13 +150,10 @@ $$;
 
 -- End a turn whose last run is p_run (already ended by the caller): the turn
 -- and its input take the final status, the run becomes the turn's result, the
--- slot goes to the tree FIFO and the session's next queued turn starts.
--- With p_lease_token, the session's next run, when it gets a slot at once,
--- is created leased to the caller (start_next_turn_v1): its id is returned.
--- Returns NULL otherwise.
-CREATE FUNCTION yuxi.finish_turn_v1(p_run uuid, p_status text, p_error text,
-                                    p_lease_token uuid DEFAULT NULL,
-                                    p_lease_seconds double precision DEFAULT NULL) RETURNS uuid
+-- slot goes to the tree FIFO (then to a run its turn's end wakes) and the
+-- session's next queued turn starts. Any of these runs may be handed over to
+-- the caller when it opened an offer (offer_hand_over_v1).
+CREATE FUNCTION yuxi.finish_turn_v1(p_run uuid, p_status text, p_error text) RETURNS void
     LANGUAGE plpgsql AS $$
 DECLARE
     v_run yuxi.runs;
@@ -172,8 +177,30 @@ BEGIN
     PERFORM yuxi.emit_event_v1(v_turn.tree_id, v_turn.session_id, v_turn.id, p_run,
                                'turn.' || p_status,
                                jsonb_build_object('input_id', v_turn.input_id, 'error', p_error));
-    RETURN (yuxi.start_next_turn_v1(v_turn.session_id, p_lease_token,
-                                    p_lease_seconds)).leased_run;
+    PERFORM yuxi.start_next_turn_v1(v_turn.session_id);
+END;
+$$;
+
+-- A tool call begins (a tool task of the graph): unless a cancel intent was
+-- committed for the run's turn (then nothing is recorded and false comes
+-- back: the run stops before the call), its `tool.started` event is
+-- recorded, fenced by the lease. The cancel check and the event in one
+-- statement: each call of a fan-out takes a connection once before its
+-- effect, not twice (issue 15).
+CREATE FUNCTION yuxi.start_tool_call_v1(p_run uuid, p_token uuid, p_data jsonb,
+                                        p_dedupe_key text) RETURNS boolean
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_run yuxi.runs;
+BEGIN
+    IF EXISTS (SELECT 1 FROM yuxi.runs r JOIN yuxi.turns t ON t.id = r.turn_id
+               WHERE r.id = p_run AND t.cancel_requested_at IS NOT NULL) THEN
+        RETURN false;
+    END IF;
+    v_run := yuxi.fence_run_v1(p_run, p_token);
+    PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
+                               'tool.started', p_data, p_dedupe_key);
+    RETURN true;
 END;
 $$;
 
@@ -210,10 +237,14 @@ $$;
 -- p_events ([{type, data, dedupe_key}]) are the run's facts reported with
 -- the completion (the final answer's `message`), recorded first whatever the
 -- outcome: they happened.
--- With p_next_token, the session's next queued turn, when it gets a slot at
--- once, is leased to the caller with that token (next_run) instead of being
--- given a job: one commit and no queue round trip between a session's turns;
--- p_mark marks the caller's connection with its lease (as in start_run_v1).
+-- With p_next_token, the caller offers to go on with a run this completion
+-- gives a slot to (offer_hand_over_v1, sql/020_slots.sql): the oldest pending
+-- run of the tree served by the released slot, else the run of a wait this
+-- turn's end satisfies, else the session's next queued turn; when one may run
+-- on the caller's host it is leased to the caller with that token (next_run)
+-- instead of being given a job: one commit and no queue round trip between a
+-- slot's runs; p_mark marks the caller's connection with its lease (as in
+-- start_run_v1).
 -- p_archive_*: the turn's messages (its checkpoint's, serialized), archived
 -- into yuxi.conversation in this transaction when the turn completes
 -- (sql/140_conversation.sql; the next turn's first run then only drops them
@@ -268,10 +299,13 @@ BEGIN
      WHERE id = p_run;
     PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
                                'run.completed', '{}');
-    v_next := yuxi.finish_turn_v1(p_run, 'completed', NULL, p_next_token, p_lease_seconds);
+    IF p_next_token IS NOT NULL THEN
+        -- The same worker: the same host.
+        PERFORM yuxi.offer_hand_over_v1(p_next_token, p_lease_seconds, v_run.host_id);
+    END IF;
+    PERFORM yuxi.finish_turn_v1(p_run, 'completed', NULL);
+    v_next := yuxi.close_hand_over_v1();
     IF v_next IS NOT NULL THEN
-        -- Leased to the same worker: the same host.
-        UPDATE yuxi.runs SET host_id = v_run.host_id WHERE id = v_next;
         IF p_mark THEN
             PERFORM yuxi.mark_checkpoint_connection_v1(v_next::text, p_next_token::text);
         END IF;

@@ -195,6 +195,40 @@ BEGIN
 END;
 $$;
 
+-- The create_session tool's whole effect in one statement (issue 15): the
+-- lease check, the recorded effect of (turn, call) if any, else the child,
+-- its first input and the effect record. A fan-out makes many of these at
+-- once and each takes the tree lock: as one statement, the lock is held for
+-- the statement and its commit only, never across the worker's round trips
+-- (six of them when the steps were separate statements, each one waiting
+-- behind the worker's other tool calls). Returns the tool's result.
+CREATE FUNCTION yuxi.create_session_effect_v1(
+    p_run uuid, p_token uuid, p_call_id text, p_fingerprint text, p_name text, p_title text,
+    p_agent uuid, p_config jsonb, p_task text
+) RETURNS jsonb
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_run yuxi.runs;
+    v_result jsonb;
+    v_child uuid;
+BEGIN
+    PERFORM yuxi.check_lease_v1(p_run, p_token);
+    SELECT * INTO v_run FROM yuxi.runs WHERE id = p_run;
+    v_result := yuxi.find_effect_v1(v_run.turn_id, p_call_id, 'create_session', p_fingerprint);
+    IF v_result IS NOT NULL THEN
+        RETURN v_result;
+    END IF;
+    v_child := yuxi.create_child_session_v1(v_run.session_id, p_run, p_name, p_title, p_agent,
+                                            p_config, p_task);
+    SELECT jsonb_build_object('session_id', v_child, 'name', p_name, 'path', s.path,
+                              'input_id', i.id, 'turn_id', i.turn_id)
+      INTO v_result
+      FROM yuxi.inputs i JOIN yuxi.sessions s ON s.id = i.session_id
+     WHERE i.session_id = v_child ORDER BY i.seq LIMIT 1;
+    RETURN yuxi.record_effect_v1(p_run, p_call_id, 'create_session', p_fingerprint, v_result);
+END;
+$$;
+
 -- Deliver a cooperation message. It creates no turn and wakes nothing but a
 -- run waiting on the sender (through the message.sent event). Both trees are
 -- locked in id order first, since events are written into both.

@@ -26,10 +26,10 @@ async def new_session(pool, scope: Scope, config: dict[str, Any] | None = None,
     return await sessions.create_session(pool, scope, agent_id=agent.id, default_model="replay")
 
 
-def executor(pool, checkpoint_pool, continued_turns: int | None = None,
+def executor(pool, checkpoint_pool, continued_runs: int | None = None,
              **settings: Any) -> RunExecutor:
-    """The worker's executor; `continued_turns=0` executes exactly the run given."""
-    extra = {} if continued_turns is None else {"max_continued_turns": continued_turns}
+    """The worker's executor; `continued_runs=0` executes exactly the run given."""
+    extra = {} if continued_runs is None else {"max_continued_runs": continued_runs}
     return RunExecutor(Settings(**settings), pool, checkpoint_pool, **extra)
 
 

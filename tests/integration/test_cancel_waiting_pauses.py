@@ -58,7 +58,7 @@ async def _waiting_with_a_queued_input(pool, checkpoint_pool, scope, kind: str):
     assert queued.status == "queued"
     run_id = await scalar(pool, "SELECT id FROM yuxi.runs WHERE turn_id = %s", (first.turn_id,))
     # Only this run executes (a child it creates stays ready).
-    assert await executor(pool, checkpoint_pool, continued_turns=0).execute(run_id) == "suspended"
+    assert await executor(pool, checkpoint_pool, continued_runs=0).execute(run_id) == "suspended"
     assert await _status(pool, first.turn_id) == kind
     assert not await _paused(pool, session.id)
     return session, first, queued
@@ -141,7 +141,7 @@ async def test_the_cancel_turn_tool_pauses_the_queue_of_a_waiting_child(
     (child_run,) = [r for r in await runs_with_status(pool, "ready")
                     if await scalar(pool, "SELECT session_id FROM yuxi.runs WHERE id = %s",
                                     (r,)) == child_id]
-    assert await executor(pool, checkpoint_pool, continued_turns=0).execute(child_run) == "suspended"
+    assert await executor(pool, checkpoint_pool, continued_runs=0).execute(child_run) == "suspended"
     assert await _status(pool, child_turn) == "waiting_user"
     out = await cooperation.cancel_turn(ctx("cx"), {"session": "c", "turn_id": str(child_turn)})
     assert out["status"] == "cancelling"

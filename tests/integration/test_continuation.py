@@ -53,7 +53,7 @@ async def test_without_hand_over_the_next_turn_gets_a_job(pool, checkpoint_pool,
     scope = alice[1]
     session, receipts = await _queued(pool, scope, 2)
     (first,) = await runs_with_status(pool, "ready")
-    assert await executor(pool, checkpoint_pool, continued_turns=0).execute(first) == "completed"
+    assert await executor(pool, checkpoint_pool, continued_runs=0).execute(first) == "completed"
     (second,) = await runs_with_status(pool, "ready")
     assert await _jobs(pool) == [str(first), str(second)]
 
@@ -62,7 +62,7 @@ async def test_continuation_is_bounded_per_job(pool, checkpoint_pool, alice):
     scope = alice[1]
     session, receipts = await _queued(pool, scope, 4)
     (first,) = await runs_with_status(pool, "ready")
-    assert await executor(pool, checkpoint_pool, continued_turns=1).execute(first) == "completed"
+    assert await executor(pool, checkpoint_pool, continued_runs=1).execute(first) == "completed"
     statuses = [(await sessions.get_turn(pool, scope, r.turn_id)).status for r in receipts]
     assert statuses == ["completed", "completed", "running", "queued"]
     (third,) = await runs_with_status(pool, "ready")
@@ -97,11 +97,12 @@ async def test_a_handed_over_run_whose_worker_died_is_recovered(pool, checkpoint
 
 async def test_the_next_turn_never_jumps_the_tree_fifo(pool, checkpoint_pool, alice):
     # A member's run waiting for a slot is older than the next queued turn:
-    # the freed slot is the member's (with a job), and nothing is handed over.
+    # the freed slot is the member's (handed over to the completing worker),
+    # and the session's next turn waits in the FIFO behind it.
     scope = alice[1]
     session, receipts = await _queued(pool, scope, 2)
     (first,) = await runs_with_status(pool, "ready")
-    token = uuid.uuid4()
+    token, next_token = uuid.uuid4(), uuid.uuid4()
     assert await runs.start_run(pool, first, token, 30) is not None
     await scalar(pool, "UPDATE yuxi.trees SET slot_capacity = 1 WHERE id = %s RETURNING id",
                  (session.tree_id,))
@@ -109,10 +110,9 @@ async def test_the_next_turn_never_jumps_the_tree_fifo(pool, checkpoint_pool, al
                        "'task')", (session.id,))
     (member,) = await runs_with_status(pool, "pending")
     outcome, following = await runs.complete(pool, first, token, {"text": "one"},
-                                             next_token=uuid.uuid4(), lease_seconds=30)
-    assert (outcome, following) == ("completed", None)
-    assert await runs_with_status(pool, "ready") == [member]
-    assert await _jobs(pool) == [str(first), str(member)]
+                                             next_token=next_token, lease_seconds=30)
+    assert (outcome, following["id"]) == ("completed", member)
+    assert await _jobs(pool) == [str(first)]
     (waiting,) = await runs_with_status(pool, "pending")
     assert await scalar(pool, "SELECT turn_id FROM yuxi.runs WHERE id = %s",
                         (waiting,)) == receipts[1].turn_id

@@ -56,7 +56,7 @@ async def test_queued_input_after_revocation_fails_without_a_model_call(
     first = await sessions.receive_input(pool, scope, session.id, content="one", mode="queue")
     queued = await sessions.receive_input(pool, scope, session.id, content="two", mode="queue")
     (run_id,) = await runs_with_status(pool, "ready")
-    assert await executor(pool, checkpoint_pool, continued_turns=0).execute(run_id) == "completed"
+    assert await executor(pool, checkpoint_pool, continued_runs=0).execute(run_id) == "completed"
     assert (await sessions.get_result(pool, scope, first.turn_id)).output["text"] == "noted docs"
     messages_before = await scalar(pool, "SELECT count(*) FROM yuxi.events WHERE type = 'message'")
     await resources.revoke(pool, scope, "collection:docs")

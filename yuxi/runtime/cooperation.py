@@ -159,6 +159,16 @@ async def create_session(ctx: ToolContext, args: dict[str, Any]) -> Any:
     title = _text(args, "title", required=False)
     agent_ref = _text(args, "agent", required=False)
     request = {"name": name, "task": task, "title": title, "agent": agent_ref}
+    if agent_ref is None:
+        # The usual case (the dispatching run's config): the whole effect is
+        # one statement, so a fan-out's calls hold the tree lock briefly.
+        async with ctx.pool.connection() as conn:
+            row = await db.fetch_one(conn, "create_session_effect", {
+                "run_id": ctx.run_id, "token": ctx.token, "call_id": ctx.call_id,
+                "fingerprint": fingerprint("create_session", request), "name": name,
+                "title": title, "agent_id": None, "config": Jsonb(ctx.run["config"]),
+                "task": task})
+        return row["result"]
 
     async def perform(conn) -> dict[str, Any]:
         agent_id, config = await _child_config(ctx, agent_ref)

@@ -20,10 +20,10 @@ import msgspec
 import psycopg
 
 from langchain_core.messages import AIMessage, HumanMessage, RemoveMessage, SystemMessage
-from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 from langgraph.errors import GraphRecursionError
 from langgraph.graph.message import REMOVE_ALL_MESSAGES
 from langgraph.types import Command
+from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from yuxi import db
@@ -33,7 +33,7 @@ from yuxi.runtime.graph import build_graph, set_history
 from yuxi.runtime.live import CallCancelled, CancelWatch, DeltaBatcher
 from yuxi.runtime.models import build_chat_model
 from yuxi.runtime.providers import configured_providers
-from yuxi.runtime.saver import checkpoint_connection
+from yuxi.runtime.saver import RunSaver, checkpoint_connection
 from yuxi.runtime import confine, cooperation, questions, sandbox_tools  # noqa: F401  (tool registration)
 from yuxi.runtime.tools import ToolContext, available_tools
 from yuxi.services import conversation, resources, runs, sandbox
@@ -88,9 +88,17 @@ class EventReporter:
             await self._emit(*message_event(message))
 
     async def tool_started(self, call: dict[str, Any]) -> None:
-        await self._emit("tool.started", {"call_id": call["id"], "tool": call["name"],
-                                          "args": call.get("args") or {}},
-                         f"tool.started:{call['id']}")
+        """The call's `tool.started`, or TurnCancelled when a cancel intent
+        was committed (checked before each tool call, in the same statement)."""
+        async with self.pool.connection() as conn:
+            with db.domain_errors():
+                row = await db.fetch_one(conn, "start_tool_call", {
+                    "run_id": self.run_id, "token": self.token,
+                    "data": Jsonb({"call_id": call["id"], "tool": call["name"],
+                                   "args": call.get("args") or {}}),
+                    "dedupe_key": f"{self.turn_id}:tool.started:{call['id']}"})
+        if not row["started"]:
+            raise TurnCancelled(f"turn {self.turn_id} was cancelled")
 
     async def tool_finished(self, call: dict[str, Any], result: str) -> None:
         await self._emit("tool.finished", {"call_id": call["id"], "tool": call["name"],
@@ -352,11 +360,12 @@ async def drive(graph: Any, cfg: dict[str, Any], run: dict[str, Any],
     return final_answer(messages, first.id), delivered_steers(messages, first.id)
 
 
-# A worker goes on with its session's next queued turn (leased to it in the
-# completing transaction, without a job) at most this many times in one job,
-# then leaves the next turn to the queue: a busy session holds one worker slot
-# for a bounded time while other sessions' jobs wait.
-MAX_CONTINUED_TURNS = 8
+# A worker goes on with a run its completion gave a slot to (leased to it in
+# the completing transaction, without a job: the tree's next pending run, the
+# parent its turn's end woke, its session's next queued turn) at most this
+# many times in one job, then leaves the next run to the queue: a busy tree
+# holds one worker slot for a bounded time while other trees' jobs wait.
+MAX_CONTINUED_RUNS = 8
 
 # How long a worker tries to report that a run was cut off by the database
 # (an outage of up to two minutes, and some).
@@ -368,11 +377,11 @@ Next = tuple[dict[str, Any], uuid.UUID]  # a leased next run and its token
 class RunExecutor:
     def __init__(self, settings: Settings, pool: AsyncConnectionPool,
                  checkpoint_pool: AsyncConnectionPool, *,
-                 max_continued_turns: int = MAX_CONTINUED_TURNS) -> None:
+                 max_continued_runs: int = MAX_CONTINUED_RUNS) -> None:
         self.settings = settings
         self.pool = pool
         self.checkpoint_pool = checkpoint_pool
-        self.max_continued_turns = max_continued_turns
+        self.max_continued_runs = max_continued_runs
         self.jail = confine.for_settings(settings)
         # yuxi.metrics.WorkerMetrics when this worker exposes metrics.
         self.metrics: Any = None
@@ -381,8 +390,8 @@ class RunExecutor:
         self.cancels = CancelWatch(pool.conninfo)
 
     async def execute(self, run_id: uuid.UUID) -> str:
-        """Execute a run, then the session's next queued turns handed to this
-        worker when the run completed (up to max_continued_turns). Returns what
+        """Execute a run, then the runs handed over to this worker when a run
+        completed (up to max_continued_runs; sql/020_slots.sql). Returns what
         happened to the last one: skipped (not ready: a stale or duplicate job),
         completed, suspended, cancelled, failed, or lease_lost (then the worker
         changed nothing)."""
@@ -394,14 +403,14 @@ class RunExecutor:
                                        mark=True, host=self.settings.host_id)
             if run is None:
                 return "skipped"
-            for left in range(self.max_continued_turns, -1, -1):
+            for left in range(self.max_continued_runs, -1, -1):
                 outcome, following = await self._measured(run, token, conn, left > 0)
                 if following is None:
                     return outcome
                 log.debug("run %s: %s; going on with run %s", run["id"], outcome,
                           following[0]["id"])
                 run, token = following
-        raise AssertionError("unreachable: the last turn is never continued")
+        raise AssertionError("unreachable: the last run is never continued")
 
     async def _measured(self, run: dict[str, Any], token: uuid.UUID,
                         conn: psycopg.AsyncConnection, go_on: bool) -> tuple[str, Next | None]:
@@ -421,8 +430,8 @@ class RunExecutor:
     async def _execute_leased(self, run: dict[str, Any], token: uuid.UUID,
                               conn: psycopg.AsyncConnection, go_on: bool,
                               ) -> tuple[str, Next | None]:
-        """Execute a run whose lease this worker holds; with `go_on`, a
-        completion may hand over the session's next run."""
+        """Execute a run whose lease this worker holds; with `go_on`, its
+        completion may hand over a run it gives a slot to."""
         run_id = run["id"]
         deltas = DeltaBatcher(self.pool, run)
         work = asyncio.create_task(self._watched_turn(run, token, conn, go_on, deltas))
@@ -512,10 +521,6 @@ class RunExecutor:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
 
-    async def _guard(self, turn_id: uuid.UUID) -> None:
-        if await runs.cancel_requested(self.pool, turn_id):
-            raise TurnCancelled(f"turn {turn_id} was cancelled")
-
     async def _keep_lease(self, run_id: uuid.UUID, token: uuid.UUID) -> None:
         """Heartbeat until the lease is lost (then return)."""
         interval = self.settings.lease_seconds / 3
@@ -552,7 +557,8 @@ class RunExecutor:
         try:
             # `conn` is marked with this run's lease (by its start or by the
             # completion that handed it over).
-            return await self._drive_turn(run, token, visible, box, AsyncPostgresSaver(conn),
+            return await self._drive_turn(run, token, visible, box,
+                                          RunSaver(conn, empty=bool(run.get("first_run"))),
                                           go_on, deltas=deltas, in_flight=in_flight)
         finally:
             if box is not None:
@@ -595,9 +601,12 @@ class RunExecutor:
                 delivered, next_token=next_token, lease_seconds=self.settings.lease_seconds,
                 events=[{"type": type_, "data": data,
                          "dedupe_key": f"{run['turn_id']}:{key}"}], mark=True,
-                archive=conversation.archive_params(conv.final))
+                archive=conversation.archive_params(conv.final), saver=saver)
             if outcome != "steer":
-                if following:
+                if following and following["session_id"] == run["session_id"]:
+                    # The session's next turn (a hand-over may also give
+                    # the slot to another session's run: that one reads
+                    # its own session's archive).
                     following = {**following, CARRY: Carry(conv.history, conv.final)}
                 return outcome, (following, next_token) if following else None
             resume = None
@@ -638,7 +647,9 @@ class RunExecutor:
                                 call_id=call_id, visible=tuple(visible), run=run,
                                 cursors=cursors, waits_in_step=waits_in_step,
                                 default_model=self.settings.default_model, sandbox=box),
-                            guard=lambda: self._guard(run["turn_id"]),
+                            # The cancel check before each tool call is in
+                            # the reporter's tool_started (one statement).
+                            guard=None,
                             policy=policy, in_flight=in_flight)
         cfg = {"configurable": {"thread_id": str(run["session_id"])},
                "recursion_limit": 2 * int(config.get("max_steps", 25)) + 2}

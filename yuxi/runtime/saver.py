@@ -16,9 +16,15 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 import psycopg
+from langgraph.checkpoint.base import WRITES_IDX_MAP, get_serializable_checkpoint_metadata
+from langgraph.checkpoint.postgres import _ainternal
+from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
+from langgraph.checkpoint.serde.types import _DeltaSnapshot
 from psycopg import AsyncConnection
+from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 log = logging.getLogger(__name__)
@@ -49,3 +55,145 @@ async def checkpoint_connection(pool: AsyncConnectionPool) -> AsyncIterator[Asyn
                             exc)
                 await conn.close()
 
+
+
+# LangGraph's task path of the graph's model node (a pull task).
+MODEL_TASK = "~__pregel_pull, model"
+
+
+class RunSaver(AsyncPostgresSaver):
+    """The checkpointer of a run: LangGraph's Postgres saver, except that
+    writes which nothing can run after are held back and go out with the
+    checkpoint that follows them, in one pipeline (one implicit transaction,
+    one round trip instead of two or three; issue 15):
+
+    - a turn's input checkpoint (LangGraph's step -1, `source: input`) and
+      its writes, with step 0;
+    - the writes of the model node, with the checkpoint of its step: the
+      model node is the only task of its step (the graph's topology,
+      yuxi.runtime.graph), so no other task runs in between, and its step's
+      checkpoint is the next thing LangGraph writes;
+    - when the model answered without tool calls, that checkpoint ends the
+      graph: it and the model's writes wait for the run's completion, which
+      the executor sends through `write_with` (complete_run_v1 in the same
+      implicit transaction: the turn's last checkpoint commits with its
+      result, one round trip for both).
+
+    A worker that dies in between has written neither, as if it died a
+    moment earlier: the next run of the turn starts from the checkpoint
+    before (a turn whose input is not in the conversation starts again,
+    `drive`; a model step not saved is made again). Writes of tool tasks
+    (which may run in parallel and have effects) and error or interrupt
+    writes go out at once, and anything else first sends what is held: the
+    rest is LangGraph's own."""
+
+    def __init__(self, conn: AsyncConnection, *, empty: bool = False) -> None:
+        super().__init__(conn)
+        # `empty`: the thread has no checkpoint yet (the first run of a
+        # session's first turn, yuxi.leased_run.first_run): the first read
+        # of its latest checkpoint needs no round trip.
+        self._empty = empty
+        self._held: list[tuple[str, Any, bool]] = []
+        self._held_id: str | None = None
+        self._ending = False  # the held writes are a final answer's
+
+    def _checkpoint_ops(self, config, checkpoint, metadata, new_versions):
+        # The statements of AsyncPostgresSaver.aput (langgraph-checkpoint-postgres 3.x).
+        configurable = config["configurable"].copy()
+        thread_id = configurable.pop("thread_id")
+        checkpoint_ns = configurable.pop("checkpoint_ns")
+        checkpoint_id = configurable.pop("checkpoint_id", None)
+        copy = checkpoint.copy()
+        copy["channel_values"] = copy["channel_values"].copy()
+        blob_values = {}
+        for k, v in checkpoint["channel_values"].items():
+            if isinstance(v, _DeltaSnapshot):
+                blob_values[k] = copy["channel_values"].pop(k)
+                copy["channel_values"][k] = True
+            elif v is None or isinstance(v, (str, int, float, bool)):
+                pass
+            else:
+                blob_values[k] = copy["channel_values"].pop(k)
+        ops: list[tuple[str, Any, bool]] = []
+        if blob_versions := {k: v for k, v in new_versions.items() if k in blob_values}:
+            ops.append((self.UPSERT_CHECKPOINT_BLOBS_SQL,
+                        self._dump_blobs(thread_id, checkpoint_ns, blob_values, blob_versions),
+                        True))
+        ops.append((self.UPSERT_CHECKPOINTS_SQL,
+                    (thread_id, checkpoint_ns, checkpoint["id"], checkpoint_id, Jsonb(copy),
+                     Jsonb(get_serializable_checkpoint_metadata(config, metadata))),
+                    False))
+        return ops
+
+    async def _write(self, ops: list[tuple[str, Any, bool]]) -> None:
+        """What is held, then `ops`, in one pipeline (one implicit transaction)."""
+        ops, self._held, self._held_id, self._ending = [*self._held, *ops], [], None, False
+        if not ops:
+            return
+        async with self.lock, _ainternal.get_connection(self.conn) as conn:
+            async with conn.pipeline(), conn.cursor(binary=True) as cur:
+                for query, params, many in ops:
+                    if many:
+                        await cur.executemany(query, params)
+                    else:
+                        await cur.execute(query, params)
+
+    async def write_with(self, query: str, params: Any) -> Any:
+        """What is held, then `query`, in one pipeline: they commit together
+        (or not at all). Returns the query's first row."""
+        ops, self._held, self._held_id, self._ending = self._held, [], None, False
+        async with self.lock, _ainternal.get_connection(self.conn) as conn:
+            async with conn.pipeline():
+                if ops:
+                    async with conn.cursor(binary=True) as held:
+                        for op_query, op_params, many in ops:
+                            if many:
+                                await held.executemany(op_query, op_params)
+                            else:
+                                await held.execute(op_query, op_params)
+                cur = await conn.execute(query, params)
+            return await cur.fetchone()
+
+    async def aput(self, config, checkpoint, metadata, new_versions):
+        if (metadata or {}).get("source") == "input" and not self._held:
+            self._held = self._checkpoint_ops(config, checkpoint, metadata, new_versions)
+            self._held_id = checkpoint["id"]
+        elif self._ending and config["configurable"].get("checkpoint_id") == self._held_id:
+            # The model answered without tool calls: this is the turn's last
+            # checkpoint, held for the run's completion (write_with).
+            self._held += self._checkpoint_ops(config, checkpoint, metadata, new_versions)
+            self._held_id, self._ending = checkpoint["id"], False
+        elif self._held:
+            await self._write(self._checkpoint_ops(config, checkpoint, metadata, new_versions))
+        else:
+            return await super().aput(config, checkpoint, metadata, new_versions)
+        return {"configurable": {"thread_id": config["configurable"]["thread_id"],
+                                 "checkpoint_ns": config["configurable"]["checkpoint_ns"],
+                                 "checkpoint_id": checkpoint["id"]}}
+
+    async def aput_writes(self, config, writes, task_id, task_path=""):
+        checkpoint_id = config["configurable"]["checkpoint_id"]
+        if (self._held and checkpoint_id == self._held_id) or (
+                not self._held and task_path == MODEL_TASK
+                and not any(w[0] in WRITES_IDX_MAP for w in writes)):
+            query = (self.UPSERT_CHECKPOINT_WRITES_SQL
+                     if all(w[0] in WRITES_IDX_MAP for w in writes)
+                     else self.INSERT_CHECKPOINT_WRITES_SQL)
+            # The model's answer without tool calls (its writes are its
+            # messages only): the step's checkpoint ends the graph.
+            self._ending = not self._held and all(w[0] == "messages" for w in writes)
+            self._held.append((query, self._dump_writes(
+                config["configurable"]["thread_id"], config["configurable"]["checkpoint_ns"],
+                checkpoint_id, task_id, task_path, writes), True))
+            self._held_id = checkpoint_id
+            return
+        await self._write([])  # never write around what is held
+        await super().aput_writes(config, writes, task_id, task_path)
+
+    async def aget_tuple(self, config):
+        if self._empty and not self._held:
+            self._empty = False
+            return None
+        self._empty = False
+        await self._write([])  # never read around what is held
+        return await super().aget_tuple(config)

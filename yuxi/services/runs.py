@@ -58,27 +58,35 @@ async def complete(
     output: dict[str, Any], delivered: list[uuid.UUID] = (), *,
     next_token: uuid.UUID | None = None, lease_seconds: float | None = None,
     events: list[dict[str, Any]] = (), mark: bool = False,
-    archive: dict[str, list[Any]] | None = None,
+    archive: dict[str, list[Any]] | None = None, saver: Any = None,
 ) -> tuple[str, dict[str, Any] | None]:
     """Complete the run and its turn: 'completed'; 'steer' (nothing changed)
     when the turn took in a steer that is not among `delivered` (deliver it
     first); 'cancelled' when a cancel intent was committed before. `events`
     ({type, data, dedupe_key}) are recorded first, whatever the outcome.
 
-    With `next_token`, the session's next queued turn, when it gets a slot at
-    once, comes back leased with that token (as `start_run` returns it) and
-    gets no job: the caller must execute it (`mark`: as in `start_run`).
+    With `next_token`, a run this completion gives a slot to (the tree's
+    oldest pending run, else the parent whose wait it satisfies, else the
+    session's next queued turn), when it may run on this run's host, comes
+    back leased with that token (as `start_run` returns it) and gets no job:
+    the caller must execute it (`mark`: as in `start_run`).
 
     `archive` (conversation.archive_params of the turn's messages) joins the
-    conversation archive when the turn completes, in the same transaction."""
+    conversation archive when the turn completes, in the same transaction.
+
+    `saver` (yuxi.runtime.saver.RunSaver, on `source`): the run's held
+    checkpoint writes go out with the completion, in one transaction."""
     archive = archive or {}
-    async with db.connection(source) as conn:
-        row = await db.fetch_one(
-            conn, "complete_run",
-            {"run_id": run_id, "token": token, "output": Jsonb(output),
-             "delivered": list(delivered), "next_token": next_token,
-             "lease_seconds": lease_seconds, "events": Jsonb(list(events)), "mark": mark,
-             **{f"archive_{k}": archive.get(k) for k in ("ids", "turns", "serde", "messages")}})
+    params = {"run_id": run_id, "token": token, "output": Jsonb(output),
+              "delivered": list(delivered), "next_token": next_token,
+              "lease_seconds": lease_seconds, "events": Jsonb(list(events)), "mark": mark,
+              **{f"archive_{k}": archive.get(k) for k in ("ids", "turns", "serde", "messages")}}
+    if saver is not None:
+        with db.domain_errors():
+            row = await saver.write_with(db.QUERIES["complete_run"], params)
+    else:
+        async with db.connection(source) as conn:
+            row = await db.fetch_one(conn, "complete_run", params)
     outcome = row.pop("outcome")
     return outcome, (row if row["id"] is not None else None)
 

@@ -1,0 +1,293 @@
+"""A released slot goes on in the releasing worker (issue 15): when a run's
+completion gives a slot to another run of its tree (the tree's next pending
+run, or the parent whose wait the completion satisfies), that run is leased to
+the completing worker in the same transaction (run.started, no job) and the
+worker goes on with it. Bounded per job like the session's next turn, only
+for runs that may run on the worker's host, one run per completion, and as
+durable as a job: a worker that dies right after the hand-over commit leaves
+a leased run that lease expiry recovers. Each guard has its negative case."""
+
+from __future__ import annotations
+
+import uuid
+
+from tests.integration.helpers import (
+    events, executor, new_session, rewrite_function, rows, runs_with_status, say_agent, scalar)
+from yuxi.services import runs, sandbox, sessions
+
+CHILD = say_agent("kid did {{ input }}")
+
+
+def waker() -> dict:
+    """A parent that creates one child and waits for its input (the
+    benchmark's wake scenario)."""
+    return {"model": "replay", "tools": ["cooperation"], "replay": {
+        "rules": [{"match": "^wake", "steps": [
+            {"call": [{"tool": "create_session", "args": {"name": "w", "task": "child"}}]},
+            {"call": [{"tool": "wait_inputs", "args": {
+                "input_ids": "{{ results|map(attribute='input_id')|list }}", "timeout_s": 60}}]},
+            {"say": "woke"},
+        ]}],
+        "default": [{"say": "child done"}]}}
+
+
+async def _jobs(pool) -> list[str]:
+    found = await rows(pool, "SELECT args->>'run_id' AS run_id FROM procrastinate.procrastinate_jobs "
+                             "WHERE task_name = 'execute_run' ORDER BY id")
+    return [r["run_id"] for r in found]
+
+
+async def _child(pool, parent, name: str) -> uuid.UUID:
+    """A child session of `parent` with one queued task; returns its run."""
+    child = await scalar(pool, "SELECT yuxi.create_child_session_v1(%s, NULL, %s, NULL, NULL, "
+                               "%s::jsonb, 'task ' || %s)",
+                         (parent.id, name, __import__("json").dumps(CHILD), name))
+    return await scalar(pool, "SELECT id FROM yuxi.runs WHERE session_id = %s", (child,))
+
+
+async def _capacity(pool, tree_id, n: int) -> None:
+    await scalar(pool, "UPDATE yuxi.trees SET slot_capacity = %s WHERE id = %s RETURNING id",
+                 (n, tree_id))
+
+
+async def _running_root(pool, scope, host: str | None = None, session=None):
+    """The root's turn running (leased with `token`) in a tree of one slot."""
+    session = session or await new_session(pool, scope)
+    await _capacity(pool, session.tree_id, 1)
+    await sessions.receive_input(pool, scope, session.id, content="x")
+    (run_id,) = await runs_with_status(pool, "ready", session.tree_id)
+    token = uuid.uuid4()
+    assert await runs.start_run(pool, run_id, token, 60, host=host) is not None
+    return session, run_id, token
+
+
+async def _status(pool, run_id) -> str:
+    return await scalar(pool, "SELECT status FROM yuxi.runs WHERE id = %s", (run_id,))
+
+
+# ---------------------------------------------------------------- fan-out
+
+
+async def test_a_released_slot_goes_on_in_the_releasing_worker(pool, checkpoint_pool, alice):
+    scope = alice[1]
+    root, root_run, token = await _running_root(pool, scope)
+    kids = [await _child(pool, root, f"k{i}") for i in range(3)]
+    assert [await _status(pool, k) for k in kids] == ["pending"] * 3
+    next_token = uuid.uuid4()
+    outcome, following = await runs.complete(pool, root_run, token, {"text": "r"},
+                                             next_token=next_token, lease_seconds=60)
+    # The root's slot went to the oldest pending child, leased to this worker.
+    assert (outcome, following["id"]) == ("completed", kids[0])
+    assert following["input_content"] == "task k0" and following["session_path"] == "/root/k0"
+    assert await rows(pool, "SELECT status, lease_token FROM yuxi.runs WHERE id = %s",
+                      (kids[0],)) == [{"status": "running", "lease_token": next_token}]
+    assert await _jobs(pool) == [str(root_run)]
+    started = [e for e in await events(pool, root.tree_id) if e["type"] == "run.started"]
+    assert started[-1]["run_id"] == kids[0] and started[-1]["data"]["handed_over"] is True
+
+
+async def test_the_worker_goes_on_slot_after_slot(pool, checkpoint_pool, alice):
+    scope = alice[1]
+    root = await new_session(pool, scope)
+    await _capacity(pool, root.tree_id, 1)
+    await sessions.receive_input(pool, scope, root.id, content="x")
+    (root_run,) = await runs_with_status(pool, "ready")
+    kids = [await _child(pool, root, f"k{i}") for i in range(3)]
+    assert await executor(pool, checkpoint_pool).execute(root_run) == "completed"
+    assert [await _status(pool, k) for k in kids] == ["completed"] * 3
+    assert await _jobs(pool) == [str(root_run)]  # no job for any child
+    started = [e for e in await events(pool, root.tree_id) if e["type"] == "run.started"]
+    assert [e["data"].get("handed_over", False) for e in started] == [False, True, True, True]
+    results = await rows(pool, "SELECT output->>'text' AS text FROM yuxi.runs "
+                               "WHERE id = ANY(%s) ORDER BY slot_seq", (kids,))
+    assert [r["text"] for r in results] == [f"kid did task k{i}" for i in range(3)]
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.slot_claims") == 0
+
+
+async def test_without_an_offer_the_released_slot_gets_a_job(pool, checkpoint_pool, alice):
+    # Negative: a completion that offers nothing (no next token: a worker at
+    # its bound) gives the slot to the pending child with a job, as before.
+    scope = alice[1]
+    root, root_run, token = await _running_root(pool, scope)
+    kid = await _child(pool, root, "k0")
+    outcome, following = await runs.complete(pool, root_run, token, {"text": "r"})
+    assert (outcome, following) == ("completed", None)
+    assert await _status(pool, kid) == "ready"
+    assert await _jobs(pool) == [str(root_run), str(kid)]
+
+
+async def test_hand_over_is_bounded_per_job(pool, checkpoint_pool, alice):
+    scope = alice[1]
+    root = await new_session(pool, scope)
+    await _capacity(pool, root.tree_id, 1)
+    kids = [await _child(pool, root, f"k{i}") for i in range(4)]
+    assert await _status(pool, kids[0]) == "ready"
+    assert await executor(pool, checkpoint_pool, continued_runs=1).execute(kids[0]) \
+        == "completed"
+    assert [await _status(pool, k) for k in kids] == ["completed", "completed", "ready",
+                                                      "pending"]
+    assert await _jobs(pool) == [str(kids[0]), str(kids[2])]  # the queue takes over
+
+
+async def test_one_completion_hands_over_one_run(pool, checkpoint_pool, alice):
+    # Two slots freed at once (the capacity was raised while children
+    # waited): one child is leased to the worker, the other gets a job.
+    scope = alice[1]
+    root, root_run, token = await _running_root(pool, scope)
+    kids = [await _child(pool, root, f"k{i}") for i in range(2)]
+    await _capacity(pool, root.tree_id, 2)
+    next_token = uuid.uuid4()
+    _, following = await runs.complete(pool, root_run, token, {"text": "r"},
+                                       next_token=next_token, lease_seconds=60)
+    assert following["id"] == kids[0]
+    assert [await _status(pool, k) for k in kids] == ["running", "ready"]
+    assert await _jobs(pool) == [str(root_run), str(kids[1])]
+
+
+async def test_without_taking_the_offer_once_two_runs_would_share_a_lease(
+        pool, checkpoint_pool, alice):
+    # Negative: an offer that stays open after it was taken leases every run
+    # the completion gives a slot to with the same token.
+    await rewrite_function(pool, "yuxi.take_hand_over_v1",
+                           "PERFORM set_config('yuxi.hand_over_token', '', true);", "")
+    scope = alice[1]
+    root, root_run, token = await _running_root(pool, scope)
+    kids = [await _child(pool, root, f"k{i}") for i in range(2)]
+    await _capacity(pool, root.tree_id, 2)
+    next_token = uuid.uuid4()
+    await runs.complete(pool, root_run, token, {"text": "r"}, next_token=next_token,
+                        lease_seconds=60)
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.runs WHERE lease_token = %s",
+                        (next_token,)) == 2
+
+
+# ------------------------------------------------------------------- wake
+
+
+async def _suspended_waker(pool, checkpoint_pool, scope):
+    """A parent suspended on its one child's input; returns (parent, its
+    receipt, the child's ready run)."""
+    parent = await new_session(pool, scope, waker())
+    receipt = await sessions.receive_input(pool, scope, parent.id, content="wake")
+    (first,) = await runs_with_status(pool, "ready")
+    assert await executor(pool, checkpoint_pool, continued_runs=0).execute(first) == "suspended"
+    (child_run,) = await runs_with_status(pool, "ready")
+    return parent, receipt, first, child_run
+
+
+async def test_the_child_worker_goes_on_with_the_woken_parent(pool, checkpoint_pool, alice):
+    scope = alice[1]
+    parent, receipt, first, child_run = await _suspended_waker(pool, checkpoint_pool, scope)
+    assert await executor(pool, checkpoint_pool).execute(child_run) == "completed"
+    result = await sessions.get_result(pool, scope, receipt.turn_id)
+    assert (result.status, result.output["text"]) == ("completed", "woke")
+    # The parent's resume run never had a job: its run.started commits with
+    # the child's turn.completed.
+    assert await _jobs(pool) == [str(first), str(child_run)]
+    log = await events(pool, parent.tree_id)
+    done = next(e for e in log if e["type"] == "turn.completed"
+                and e["session_id"] != parent.id)
+    resumed = [e for e in log if e["type"] == "run.started" and e["session_id"] == parent.id][-1]
+    assert resumed["data"]["handed_over"] is True
+    assert done["seq"] < resumed["seq"]
+    assert await scalar(pool, "SELECT xmin::text FROM yuxi.events WHERE tree_id = %s "
+                              "AND seq = %s", (parent.tree_id, done["seq"])) == \
+        await scalar(pool, "SELECT xmin::text FROM yuxi.events WHERE tree_id = %s AND seq = %s",
+                     (parent.tree_id, resumed["seq"]))
+
+
+async def test_without_hand_over_the_woken_parent_gets_a_job(pool, checkpoint_pool, alice):
+    # Negative: a worker that may not go on leaves the parent's resume run to
+    # the queue.
+    scope = alice[1]
+    parent, receipt, first, child_run = await _suspended_waker(pool, checkpoint_pool, scope)
+    assert await executor(pool, checkpoint_pool, continued_runs=0).execute(child_run) \
+        == "completed"
+    (resume,) = await runs_with_status(pool, "ready")
+    assert await scalar(pool, "SELECT session_id FROM yuxi.runs WHERE id = %s",
+                        (resume,)) == parent.id
+    assert await _jobs(pool) == [str(first), str(child_run), str(resume)]
+
+
+async def test_a_worker_that_dies_after_the_hand_over_commit_loses_nothing(
+        pool, checkpoint_pool, alice):
+    # The child's completion commits the parent's resume run leased to the
+    # worker, which dies before executing it (kill -9 right after the
+    # commit): the lease expires, recovery makes a retry with a job, and the
+    # parent's turn ends as if nothing had happened.
+    scope = alice[1]
+    parent, receipt, first, child_run = await _suspended_waker(pool, checkpoint_pool, scope)
+    token, next_token = uuid.uuid4(), uuid.uuid4()
+    assert await runs.start_run(pool, child_run, token, 60) is not None
+    outcome, following = await runs.complete(pool, child_run, token, {"text": "child done"},
+                                             next_token=next_token, lease_seconds=60)
+    assert outcome == "completed" and following["session_id"] == parent.id
+    assert following["resume"]["reason"] == "satisfied"
+    assert await _jobs(pool) == [str(first), str(child_run)]
+    # ... the worker is gone. Its lease runs out.
+    await scalar(pool, "UPDATE yuxi.runs SET lease_expires_at = clock_timestamp() - "
+                       "interval '1 s' WHERE id = %s RETURNING id", (following["id"],))
+    (retry,) = await runs.recover_expired(pool, max_attempts=3)
+    assert retry == following["id"]
+    (ready,) = await runs_with_status(pool, "ready")
+    assert await _jobs(pool) == [str(first), str(child_run), str(ready)]
+    assert await executor(pool, checkpoint_pool).execute(ready) == "completed"
+    result = await sessions.get_result(pool, scope, receipt.turn_id)
+    assert (result.status, result.output["text"]) == ("completed", "woke")
+
+
+# ---------------------------------------------------------- host affinity
+
+
+async def _tree_with_sandbox_on(pool, scope, tmp_path, host: str):
+    """A root whose tree's sandbox is live on `host` (its run completed)."""
+    session = await new_session(pool, scope)
+    await sessions.receive_input(pool, scope, session.id, content="box")
+    (run_id,) = await runs_with_status(pool, "ready", session.tree_id)
+    token = uuid.uuid4()
+    run = await runs.start_run(pool, run_id, token, 60, host=host)
+    await sandbox.claim(pool, tmp_path, run["id"], token, run["tree_id"], host=host)
+    await runs.complete(pool, run["id"], token, {"text": "done"})
+    return session
+
+
+async def _complete_on(pool, scope, session, host: str):
+    """The root's next turn, run on `host`, completes while a child waits
+    for the tree's one slot; returns (the child's run, what came back)."""
+    _, root_run, token = await _running_root(pool, scope, host=host, session=session)
+    kid = await _child(pool, session, "k")
+    _, following = await runs.complete(pool, root_run, token, {"text": "r"},
+                                       next_token=uuid.uuid4(), lease_seconds=60)
+    return kid, following
+
+
+async def test_a_run_pinned_to_another_host_is_not_handed_over(pool, alice, tmp_path):
+    scope = alice[1]
+    session = await _tree_with_sandbox_on(pool, scope, tmp_path, "host-a")
+    # A run of the tree that reached host-b (deferred before the sandbox went
+    # live there) completes: the child must go to host-a's queue.
+    kid, following = await _complete_on(pool, scope, session, "host-b")
+    assert following is None
+    assert await _status(pool, kid) == "ready"
+    assert await rows(pool, "SELECT queue_name FROM procrastinate.procrastinate_jobs "
+                            "WHERE args->>'run_id' = %s", (str(kid),)) == [
+        {"queue_name": "runs@host-a"}]
+
+
+async def test_a_run_of_the_sandbox_host_is_handed_over_there(pool, alice, tmp_path):
+    scope = alice[1]
+    session = await _tree_with_sandbox_on(pool, scope, tmp_path, "host-a")
+    kid, following = await _complete_on(pool, scope, session, "host-a")
+    assert following["id"] == kid
+    assert await scalar(pool, "SELECT host_id FROM yuxi.runs WHERE id = %s", (kid,)) == "host-a"
+
+
+async def test_without_the_host_check_a_pinned_run_would_be_handed_over(
+        pool, alice, tmp_path):
+    # Negative: the host affinity check removed from the offer.
+    await rewrite_function(pool, "yuxi.take_hand_over_v1",
+                           "IF v_queue <> 'runs'", "IF false AND v_queue <> 'runs'")
+    scope = alice[1]
+    session = await _tree_with_sandbox_on(pool, scope, tmp_path, "host-a")
+    kid, following = await _complete_on(pool, scope, session, "host-b")
+    assert following["id"] == kid

@@ -1,0 +1,236 @@
+"""The run's checkpointer (yuxi.runtime.saver.RunSaver) holds a turn's input
+checkpoint, and the model node's writes, back and writes them with the next
+checkpoint in one round trip (issue 15). A run cut off in between has
+written nothing of the turn: the next run starts the turn again, and the
+conversation holds its input once; writes of tool calls go out at once."""
+
+from __future__ import annotations
+
+
+import uuid
+
+import psycopg
+import pytest
+from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
+
+from tests.integration.helpers import (
+    executor, new_session, rewrite_function, rows, runs_with_status, say_agent, scalar)
+from yuxi.runtime.saver import RunSaver
+from yuxi.services import conversation, runs, sessions
+
+
+@pytest.fixture
+def writes(monkeypatch):
+    """The writes (round trips) the run's checkpointer makes: the number of
+    statements of each held batch, or the LangGraph method."""
+    made: list[int | str] = []
+    original = RunSaver._write
+
+    async def counted(self, ops):
+        if n := len(self._held) + len(ops):
+            made.append(n)
+        return await original(self, ops)
+
+    monkeypatch.setattr(RunSaver, "_write", counted)
+    original_with = RunSaver.write_with
+
+    async def counted_with(self, query, params):
+        made.append(f"{len(self._held)} with completion")
+        return await original_with(self, query, params)
+
+    monkeypatch.setattr(RunSaver, "write_with", counted_with)
+    for name in ("aput", "aput_writes"):
+        def wrap(method, name=name):
+            async def langgraphs(self, *args, **kwargs):
+                made.append(name)
+                return await method(self, *args, **kwargs)
+            return langgraphs
+        monkeypatch.setattr(AsyncPostgresSaver, name, wrap(getattr(AsyncPostgresSaver, name)))
+    return made
+
+
+async def test_a_turns_input_step_goes_out_with_the_next_checkpoint(
+        pool, checkpoint_pool, alice, writes):
+    scope = alice[1]
+    session = await new_session(pool, scope, say_agent("answer to {{ input }}"))
+    receipt = await sessions.receive_input(pool, scope, session.id, content="q")
+    (run_id,) = await runs_with_status(pool, "ready")
+    assert await executor(pool, checkpoint_pool).execute(run_id) == "completed"
+    # The input checkpoint, its writes and step 0 in one write; the model's
+    # writes and step 1 (the last: no tool call) with the completion
+    # (LangGraph's saver alone makes five writes, the completion a sixth).
+    assert len(writes) == 2 and writes[0] >= 4 and writes[1] in (
+        "2 with completion", "3 with completion"), writes
+    assert [(m["role"], m["content"]) for m in
+            await conversation.messages(checkpoint_pool, session.id)] == [
+        ("human", "q"), ("ai", "answer to q")]
+    result = await sessions.get_result(pool, scope, receipt.turn_id)
+    assert result.output["text"] == "answer to q"
+
+
+async def test_a_run_cut_off_before_its_held_input_is_written_starts_the_turn_again(
+        pool, checkpoint_pool, alice, monkeypatch):
+    scope = alice[1]
+    session = await new_session(pool, scope, say_agent("answer to {{ input }}"))
+    receipt = await sessions.receive_input(pool, scope, session.id, content="q")
+    (run_id,) = await runs_with_status(pool, "ready")
+    original = RunSaver._write
+
+    async def cut_off(self, ops):
+        if self._held:  # the connection dies as the held input would go out
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return await original(self, ops)
+
+    monkeypatch.setattr(RunSaver, "_write", cut_off)
+    assert await executor(pool, checkpoint_pool).execute(run_id) == "infra_fault"
+    assert await conversation.messages(checkpoint_pool, session.id) == []
+    monkeypatch.setattr(RunSaver, "_write", original)
+    # Recovery continues the turn in a new run (its lease was expired by the
+    # fault report), which finds no input in the conversation.
+    (retry,) = await runs.recover_expired(pool, max_attempts=3)
+    assert retry == run_id
+    (ready,) = await runs_with_status(pool, "ready")
+    assert await executor(pool, checkpoint_pool).execute(ready) == "completed"
+    assert [(m["role"], m["content"]) for m in
+            await conversation.messages(checkpoint_pool, session.id)] == [
+        ("human", "q"), ("ai", "answer to q")]
+    result = await sessions.get_result(pool, scope, receipt.turn_id)
+    assert (result.status, result.output["text"]) == ("completed", "answer to q")
+    assert [r["attempt"] for r in await rows(
+        pool, "SELECT attempt FROM yuxi.runs WHERE turn_id = %s ORDER BY attempt",
+        (receipt.turn_id,))] == [1, 2]
+
+
+async def test_tool_writes_go_out_at_once(pool, checkpoint_pool, alice, writes):
+    # Tool calls may run in parallel and have effects: each one's writes are
+    # durable when it ends, never held for the step's checkpoint.
+    scope = alice[1]
+    session = await new_session(pool, scope, {
+        "model": "replay", "tools": ["echo"], "replay": {"default": [
+            {"call": [{"tool": "echo", "args": {"text": "a"}},
+                      {"tool": "echo", "args": {"text": "b"}}]},
+            {"say": "done"}]}})
+    await sessions.receive_input(pool, scope, session.id, content="q")
+    (run_id,) = await runs_with_status(pool, "ready")
+    assert await executor(pool, checkpoint_pool).execute(run_id) == "completed"
+    # input + step 0 | model writes + step 1 | echo a | echo b | step 2
+    # (LangGraph's) | model writes + step 3 with the completion.
+    assert [w if isinstance(w, str) and " with " not in w else "held" for w in writes] == [
+        "held", "held", "aput_writes", "aput_writes", "aput", "held"], writes
+
+
+async def test_the_last_checkpoint_commits_with_the_completion_or_not_at_all(
+        pool, checkpoint_pool, alice, monkeypatch):
+    # The connection dies as the final answer's step and the completion go
+    # out together: neither is there; the next run makes the step again.
+    scope = alice[1]
+    session = await new_session(pool, scope, say_agent("answer to {{ input }}"))
+    receipt = await sessions.receive_input(pool, scope, session.id, content="q")
+    (run_id,) = await runs_with_status(pool, "ready")
+    original = RunSaver.write_with
+
+    async def cut_off(self, query, params):
+        assert self._held  # the model's writes and its step's checkpoint
+        raise psycopg.OperationalError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(RunSaver, "write_with", cut_off)
+    assert await executor(pool, checkpoint_pool).execute(run_id) == "infra_fault"
+    # Step 0 is there (the input), not the model's answer; the turn runs on.
+    assert [m["role"] for m in await conversation.messages(checkpoint_pool, session.id)] == [
+        "human"]
+    assert (await sessions.get_turn(pool, scope, receipt.turn_id)).status == "running"
+    monkeypatch.setattr(RunSaver, "write_with", original)
+    (retry,) = await runs.recover_expired(pool, max_attempts=3)
+    (ready,) = await runs_with_status(pool, "ready")
+    assert await executor(pool, checkpoint_pool).execute(ready) == "completed"
+    assert [(m["role"], m["content"]) for m in
+            await conversation.messages(checkpoint_pool, session.id)] == [
+        ("human", "q"), ("ai", "answer to q")]
+    result = await sessions.get_result(pool, scope, receipt.turn_id)
+    assert (result.status, result.output["text"]) == ("completed", "answer to q")
+
+
+async def test_a_completion_refused_by_the_fence_writes_no_checkpoint(
+        pool, checkpoint_pool, alice, monkeypatch):
+    # The lease is lost just before the completion (another run took the
+    # turn over): complete_run_v1 raises YX003 and the held checkpoint of
+    # the final step, in the same transaction, is not written either.
+    scope = alice[1]
+    session = await new_session(pool, scope, say_agent("answer to {{ input }}"))
+    await sessions.receive_input(pool, scope, session.id, content="q")
+    (run_id,) = await runs_with_status(pool, "ready")
+    original = RunSaver.write_with
+
+    async def expire_first(self, query, params):
+        async with pool.connection() as conn:
+            await conn.execute("UPDATE yuxi.runs SET lease_token = gen_random_uuid() "
+                               "WHERE id = %s", (run_id,))
+        return await original(self, query, params)
+
+    monkeypatch.setattr(RunSaver, "write_with", expire_first)
+    assert await executor(pool, checkpoint_pool).execute(run_id) == "lease_lost"
+    assert [m["role"] for m in await conversation.messages(checkpoint_pool, session.id)] == [
+        "human"]
+
+
+async def _reads(monkeypatch) -> list[str]:
+    """Reads of the latest checkpoint that reach the database."""
+    made: list[str] = []
+    original = AsyncPostgresSaver.aget_tuple
+
+    async def counted(self, config):
+        made.append(config["configurable"]["thread_id"])
+        return await original(self, config)
+
+    monkeypatch.setattr(AsyncPostgresSaver, "aget_tuple", counted)
+    return made
+
+
+async def _two_turns(pool, checkpoint_pool, scope):
+    session = await new_session(pool, scope, say_agent("answer to {{ input }}"))
+    for text in ("one", "two"):
+        await sessions.receive_input(pool, scope, session.id, content=text)
+        (run_id,) = await runs_with_status(pool, "ready")
+        assert await executor(pool, checkpoint_pool).execute(run_id) == "completed"
+    return session
+
+
+async def test_a_sessions_first_run_skips_the_checkpoint_read(
+        pool, checkpoint_pool, alice, monkeypatch):
+    reads = await _reads(monkeypatch)
+    session = await _two_turns(pool, checkpoint_pool, alice[1])
+    # The first turn's run knew there was nothing to read; the second read.
+    assert reads == [str(session.id)]
+    assert [(m["role"], m["content"]) for m in
+            await conversation.messages(checkpoint_pool, session.id)] == [
+        ("human", "one"), ("ai", "answer to one"), ("human", "two"), ("ai", "answer to two")]
+
+
+async def test_only_the_first_run_of_the_first_turn_is_first(pool, checkpoint_pool, alice):
+    scope = alice[1]
+    session = await new_session(pool, scope, say_agent())
+    await sessions.receive_input(pool, scope, session.id, content="one")
+    await sessions.receive_input(pool, scope, session.id, content="two", mode="queue")
+    (first,) = await runs_with_status(pool, "ready")
+    flag = "SELECT (yuxi.leased_run_v1(%s)).first_run AS first"
+    assert (await rows(pool, flag, (first,)))[0]["first"] is True
+    # Its retry after a lost lease is not (its predecessor may have written).
+    token = uuid.uuid4()
+    await runs.start_run(pool, first, token, 30)
+    await scalar(pool, "UPDATE yuxi.runs SET lease_expires_at = clock_timestamp() - "
+                       "interval '1 s' WHERE id = %s RETURNING id", (first,))
+    (retry,) = await runs.recover_expired(pool, max_attempts=3)
+    (ready,) = await runs_with_status(pool, "ready")
+    assert (await rows(pool, flag, (ready,)))[0]["first"] is False
+    assert await executor(pool, checkpoint_pool, continued_runs=0).execute(ready) == "completed"
+    (second,) = await runs_with_status(pool, "ready")
+    assert (await rows(pool, flag, (second,)))[0]["first"] is False
+
+
+async def test_without_the_first_turn_check_a_later_turn_would_lose_its_history(
+        pool, checkpoint_pool, alice):
+    # Negative: every attempt-1 run taken for the session's first.
+    await rewrite_function(pool, "yuxi.leased_run_v1", "p.seq < t.seq", "false")
+    session = await _two_turns(pool, checkpoint_pool, alice[1])
+    assert [m["content"] for m in await conversation.messages(checkpoint_pool, session.id)] == [
+        "two", "answer to two"]
