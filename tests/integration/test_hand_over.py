@@ -291,3 +291,45 @@ async def test_without_the_host_check_a_pinned_run_would_be_handed_over(
     session = await _tree_with_sandbox_on(pool, scope, tmp_path, "host-a")
     kid, following = await _complete_on(pool, scope, session, "host-b")
     assert following["id"] == kid
+
+
+# ----------------------------------------------------- the conversation
+
+
+async def test_a_run_of_another_session_reads_its_own_conversation(pool, checkpoint_pool,
+                                                                   alice, monkeypatch):
+    # The worker keeps a completed turn's conversation for the session's next
+    # turn (no read of the archive); a run of another session handed over by
+    # the same completion must not get it: the child's conversation holds
+    # its own turns only.
+    from yuxi.runtime import graph as graph_module
+    from yuxi.services import conversation
+
+    scope = alice[1]
+    seen = []
+    real = graph_module.call_chat_model
+
+    def spy(bound, messages, *args):
+        seen.append([m.text for m in messages if not m.id.startswith(("identity:", "system"))])
+        return real(bound, messages, *args)
+
+    monkeypatch.setattr(graph_module, "call_chat_model", spy)
+    root = await new_session(pool, scope)
+    await _capacity(pool, root.tree_id, 1)
+    kid_run = await _child(pool, root, "k0")
+    assert await executor(pool, checkpoint_pool).execute(kid_run) == "completed"
+    kid = await scalar(pool, "SELECT session_id FROM yuxi.runs WHERE id = %s", (kid_run,))
+    await sessions.receive_input(pool, scope, root.id, content="root work")
+    (root_run,) = await runs_with_status(pool, "ready", root.tree_id)
+    await sessions.receive_input(pool, scope, kid, content="again", mode="queue")
+    (kid_again,) = await runs_with_status(pool, "pending", root.tree_id)
+    assert await executor(pool, checkpoint_pool).execute(root_run) == "completed"
+    assert await _status(pool, kid_again) == "completed"
+    started = [e for e in await events(pool, root.tree_id) if e["type"] == "run.started"]
+    assert started[-1]["run_id"] == kid_again and started[-1]["data"]["handed_over"] is True
+    # The kid's model saw its own conversation, never the root's.
+    assert seen[-1] == ["task k0", "kid did task k0", "again"], seen
+    kept = await conversation.messages(checkpoint_pool, kid)
+    assert [(m["role"], m["content"]) for m in kept] == [
+        ("human", "task k0"), ("ai", "kid did task k0"),
+        ("human", "again"), ("ai", "kid did again")]
