@@ -186,6 +186,21 @@ async def _reads(monkeypatch) -> list[str]:
     return made
 
 
+def _model_inputs(monkeypatch) -> list[list[str]]:
+    """What each model call was given (the conversation, without the preamble)."""
+    from yuxi.runtime import graph as graph_module
+
+    seen: list[list[str]] = []
+    real = graph_module.call_chat_model
+
+    def spy(bound, messages, *args):
+        seen.append([m.text for m in messages if not m.id.startswith(("identity:", "system"))])
+        return real(bound, messages, *args)
+
+    monkeypatch.setattr(graph_module, "call_chat_model", spy)
+    return seen
+
+
 async def _two_turns(pool, checkpoint_pool, scope):
     session = await new_session(pool, scope, say_agent("answer to {{ input }}"))
     for text in ("one", "two"):
@@ -198,9 +213,12 @@ async def _two_turns(pool, checkpoint_pool, scope):
 async def test_a_sessions_first_run_skips_the_checkpoint_read(
         pool, checkpoint_pool, alice, monkeypatch):
     reads = await _reads(monkeypatch)
+    seen = _model_inputs(monkeypatch)
     session = await _two_turns(pool, checkpoint_pool, alice[1])
-    # The first turn's run knew there was nothing to read; the second read.
+    # The first turn's run knew there was nothing to read; the second read
+    # once (what an earlier turn left in the checkpoint, and LangGraph's start).
     assert reads == [str(session.id)]
+    assert seen == [["one"], ["one", "answer to one", "two"]]
     assert [(m["role"], m["content"]) for m in
             await conversation.messages(checkpoint_pool, session.id)] == [
         ("human", "one"), ("ai", "answer to one"), ("human", "two"), ("ai", "answer to two")]
@@ -228,9 +246,10 @@ async def test_only_the_first_run_of_the_first_turn_is_first(pool, checkpoint_po
 
 
 async def test_without_the_first_turn_check_a_later_turn_would_lose_its_history(
-        pool, checkpoint_pool, alice):
-    # Negative: every attempt-1 run taken for the session's first.
+        pool, checkpoint_pool, alice, monkeypatch):
+    # Negative: every attempt-1 run taken for the session's first: the second
+    # turn's model would not see the first turn.
     await rewrite_function(pool, "yuxi.leased_run_v1", "p.seq < t.seq", "false")
-    session = await _two_turns(pool, checkpoint_pool, alice[1])
-    assert [m["content"] for m in await conversation.messages(checkpoint_pool, session.id)] == [
-        "two", "answer to two"]
+    seen = _model_inputs(monkeypatch)
+    await _two_turns(pool, checkpoint_pool, alice[1])
+    assert seen == [["one"], ["two"]]

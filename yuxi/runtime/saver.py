@@ -90,9 +90,15 @@ class RunSaver(AsyncPostgresSaver):
     def __init__(self, conn: AsyncConnection, *, empty: bool = False) -> None:
         super().__init__(conn)
         # `empty`: the thread has no checkpoint yet (the first run of a
-        # session's first turn, yuxi.leased_run.first_run): the first read
-        # of its latest checkpoint needs no round trip.
+        # session's first turn, yuxi.leased_run.first_run): reads of its
+        # latest checkpoint need no round trip until this saver writes one.
         self._empty = empty
+        # The last read and what it found, for one more read of the same
+        # checkpoint before anything is written: the run holds the lease, so
+        # nothing else writes the thread meanwhile. (A turn's first run reads
+        # the checkpoint to archive what an earlier turn left there, then
+        # LangGraph reads it again to start: one round trip for both.)
+        self._reread: tuple[tuple[Any, ...], Any] | None = None
         self._held: list[tuple[str, Any, bool]] = []
         self._held_id: str | None = None
         self._ending = False  # the held writes are a final answer's
@@ -138,9 +144,13 @@ class RunSaver(AsyncPostgresSaver):
                     else:
                         await cur.execute(query, params)
 
+    def _writing(self) -> None:
+        self._empty, self._reread = False, None
+
     async def write_with(self, query: str, params: Any) -> Any:
         """What is held, then `query`, in one pipeline: they commit together
         (or not at all). Returns the query's first row."""
+        self._writing()
         ops, self._held, self._held_id, self._ending = self._held, [], None, False
         async with self.lock, _ainternal.get_connection(self.conn) as conn:
             async with conn.pipeline():
@@ -155,6 +165,7 @@ class RunSaver(AsyncPostgresSaver):
             return await cur.fetchone()
 
     async def aput(self, config, checkpoint, metadata, new_versions):
+        self._writing()
         if (metadata or {}).get("source") == "input" and not self._held:
             self._held = self._checkpoint_ops(config, checkpoint, metadata, new_versions)
             self._held_id = checkpoint["id"]
@@ -172,6 +183,7 @@ class RunSaver(AsyncPostgresSaver):
                                  "checkpoint_id": checkpoint["id"]}}
 
     async def aput_writes(self, config, writes, task_id, task_path=""):
+        self._writing()
         checkpoint_id = config["configurable"]["checkpoint_id"]
         if (self._held and checkpoint_id == self._held_id) or (
                 not self._held and task_path == MODEL_TASK
@@ -192,8 +204,13 @@ class RunSaver(AsyncPostgresSaver):
 
     async def aget_tuple(self, config):
         if self._empty and not self._held:
-            self._empty = False
             return None
-        self._empty = False
+        c = config["configurable"]
+        key = (c.get("thread_id"), c.get("checkpoint_ns", ""), c.get("checkpoint_id"))
+        if self._reread is not None and self._reread[0] == key and not self._held:
+            found, self._reread = self._reread[1], None  # once: the first reader only looked
+            return found
         await self._write([])  # never read around what is held
-        return await super().aget_tuple(config)
+        found = await super().aget_tuple(config)
+        self._reread = (key, found)
+        return found
