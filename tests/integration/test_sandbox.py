@@ -4,7 +4,10 @@ release gets a fresh generation), with an injectable clock."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
+import os
+import signal
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -285,6 +288,34 @@ async def test_the_release_spares_a_process_that_reused_a_recorded_pid(pool, ali
         assert stranger.wait(timeout=10) == -9
     finally:
         stranger.kill()
+
+
+async def test_the_release_kills_a_group_whose_leader_has_exited(pool, alice, tmp_path):
+    # The leader started a member and exited: the group lives on with the
+    # member, and its id (the leader's pid) cannot go to a new process
+    # meanwhile, so the release still kills it.
+    import subprocess
+    run, token, box = await _run_with_sandbox(pool, alice[1], tmp_path)
+    leader = subprocess.Popen(["sh", "-c", "sleep 300 >/dev/null 2>&1 & echo $!"],
+                              stdout=subprocess.PIPE, start_new_session=True)
+    identity = sandbox.process_identity(leader.pid) or ""
+    member = int(leader.stdout.read().strip())
+    leader.stdout.close()
+    leader.wait()
+    try:
+        assert sandbox.process_identity(leader.pid) is None
+        assert os.getpgid(member) == leader.pid
+        sandbox.release_files_and_processes(box, [(leader.pid, identity)])
+        for _ in range(200):
+            if sandbox.process_identity(member) is None:
+                break
+            await asyncio.sleep(0.01)
+        assert sandbox.process_identity(member) is None
+    finally:
+        try:
+            os.kill(member, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def test_an_ended_process_has_no_identity():

@@ -55,9 +55,8 @@ def _recorder(ctx: ToolContext, box: Any):
     """Records a process group of the sandbox (killed at its release),
     fenced by the run's lease."""
     async def record(pid: int, command: str) -> None:
-        identity = sandbox.process_identity(pid)
-        if identity is None:  # it has ended already: nothing to kill later
-            return
+        # '' when the leader has exited already: its group may live on.
+        identity = sandbox.process_identity(pid) or ""
         async with ctx.pool.connection() as conn:
             await db.execute(conn, "record_sandbox_process", {
                 "generation": box.generation, "pid": pid, "identity": identity,

@@ -89,10 +89,17 @@ def process_identity(pid: int) -> str | None:
 def release_files_and_processes(box: Sandbox, processes: list[tuple[int, str]]) -> None:
     """The releaser: kill the generation's background processes (their
     process groups: the recorded pid leads its group) and delete its temp
-    area. The workdir stays. A pid whose process is not the recorded one
-    any more (it ended and the pid was reused) is left alone."""
+    area. The workdir stays.
+
+    A group outlives its leader while any member runs, and the kernel never
+    gives a pid to a new process while a group still bears it as its id. So
+    when another process holds the recorded pid now (its identity differs),
+    the recorded group has no member left and the pid belongs to a stranger:
+    it is left alone. When no process holds it, the group is killed if it
+    still exists (a leader that exited and left members behind)."""
     for pid, identity in processes:
-        if process_identity(pid) != identity:
+        now = process_identity(pid)
+        if now is not None and now != identity:
             continue
         try:
             os.killpg(pid, signal.SIGKILL)
