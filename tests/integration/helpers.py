@@ -109,3 +109,21 @@ async def fenced_saver(pool, run_id: uuid.UUID, token: uuid.UUID):
     async with checkpoint_connection(pool) as conn:
         await conn.execute(MARK, (str(run_id), str(token)))
         yield AsyncPostgresSaver(conn)
+
+
+def spy_model_calls(monkeypatch, attr: str = "text", *, preamble: bool = False) -> list[list[str]]:
+    """What each model call is given from now on: each message's `attr`
+    (text or id), without the preamble (identity, system prompt) unless
+    `preamble`."""
+    from yuxi.runtime import graph as graph_module
+
+    seen: list[list[str]] = []
+    real = graph_module.call_chat_model
+
+    def spy(bound, messages, *args):
+        seen.append([getattr(m, attr) for m in messages
+                     if preamble or not m.id.startswith(("identity:", "system"))])
+        return real(bound, messages, *args)
+
+    monkeypatch.setattr(graph_module, "call_chat_model", spy)
+    return seen

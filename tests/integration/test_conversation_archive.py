@@ -17,10 +17,10 @@ from litestar.testing import AsyncTestClient
 
 from tests.integration.helpers import (
     drain, executor, fenced_saver, new_session, rewrite_function, rows, runs_with_status,
-    say_agent, scalar,
+    say_agent, scalar, spy_model_calls,
 )
 from yuxi.errors import LeaseLost
-from yuxi.runtime import cleanup, executor as executor_module, graph as graph_module
+from yuxi.runtime import cleanup, executor as executor_module
 from yuxi.services import conversation, runs, sessions
 
 ECHO_TWICE = {"model": "replay", "tools": ["echo"], "replay": {"default": [
@@ -44,14 +44,7 @@ def _summary(history):
 async def test_completed_turns_move_to_the_archive_and_the_model_sees_them_all(
         pool, checkpoint_pool, alice, monkeypatch):
     scope = alice[1]
-    seen = []
-    real = graph_module.call_chat_model
-
-    def spy(bound, messages, *args):
-        seen.append([m.id for m in messages])
-        return real(bound, messages, *args)
-
-    monkeypatch.setattr(graph_module, "call_chat_model", spy)
+    seen = spy_model_calls(monkeypatch, "id", preamble=True)
     session = await new_session(pool, scope, ECHO_TWICE)
     for word in ("one", "two", "three"):
         await _turn(pool, checkpoint_pool, scope, session, word)
@@ -443,14 +436,7 @@ async def test_handed_over_turns_carry_the_conversation(pool, checkpoint_pool, a
     # final messages it holds (no checkpoint or archive read). The model sees
     # the same conversation and the archive is the same as without hand-over.
     scope = alice[1]
-    seen = []
-    real = graph_module.call_chat_model
-
-    def spy(bound, messages, *args):
-        seen.append([m.id for m in messages if not m.id.startswith(("identity:", "system"))])
-        return real(bound, messages, *args)
-
-    monkeypatch.setattr(graph_module, "call_chat_model", spy)
+    seen = spy_model_calls(monkeypatch, "id")
     session = await new_session(pool, scope, ECHO_TWICE)
     for word in ("one", "two", "three"):
         await sessions.receive_input(pool, scope, session.id, content=word, mode="queue")

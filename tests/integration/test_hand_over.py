@@ -12,7 +12,8 @@ from __future__ import annotations
 import uuid
 
 from tests.integration.helpers import (
-    events, executor, new_session, rewrite_function, rows, runs_with_status, say_agent, scalar)
+    events, executor, new_session, rewrite_function, rows, runs_with_status, say_agent, scalar,
+    spy_model_calls)
 from yuxi.services import runs, sandbox, sessions
 
 CHILD = say_agent("kid did {{ input }}")
@@ -302,18 +303,10 @@ async def test_a_run_of_another_session_reads_its_own_conversation(pool, checkpo
     # turn (no read of the archive); a run of another session handed over by
     # the same completion must not get it: the child's conversation holds
     # its own turns only.
-    from yuxi.runtime import graph as graph_module
     from yuxi.services import conversation
 
     scope = alice[1]
-    seen = []
-    real = graph_module.call_chat_model
-
-    def spy(bound, messages, *args):
-        seen.append([m.text for m in messages if not m.id.startswith(("identity:", "system"))])
-        return real(bound, messages, *args)
-
-    monkeypatch.setattr(graph_module, "call_chat_model", spy)
+    seen = spy_model_calls(monkeypatch)
     root = await new_session(pool, scope)
     await _capacity(pool, root.tree_id, 1)
     kid_run = await _child(pool, root, "k0")

@@ -14,7 +14,8 @@ import pytest
 from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 
 from tests.integration.helpers import (
-    executor, new_session, rewrite_function, rows, runs_with_status, say_agent, scalar)
+    executor, new_session, rewrite_function, rows, runs_with_status, say_agent, scalar,
+    spy_model_calls)
 from yuxi.runtime.saver import RunSaver
 from yuxi.services import conversation, runs, sessions
 
@@ -186,21 +187,6 @@ async def _reads(monkeypatch) -> list[str]:
     return made
 
 
-def _model_inputs(monkeypatch) -> list[list[str]]:
-    """What each model call was given (the conversation, without the preamble)."""
-    from yuxi.runtime import graph as graph_module
-
-    seen: list[list[str]] = []
-    real = graph_module.call_chat_model
-
-    def spy(bound, messages, *args):
-        seen.append([m.text for m in messages if not m.id.startswith(("identity:", "system"))])
-        return real(bound, messages, *args)
-
-    monkeypatch.setattr(graph_module, "call_chat_model", spy)
-    return seen
-
-
 async def _two_turns(pool, checkpoint_pool, scope):
     session = await new_session(pool, scope, say_agent("answer to {{ input }}"))
     for text in ("one", "two"):
@@ -213,7 +199,7 @@ async def _two_turns(pool, checkpoint_pool, scope):
 async def test_a_sessions_first_run_skips_the_checkpoint_read(
         pool, checkpoint_pool, alice, monkeypatch):
     reads = await _reads(monkeypatch)
-    seen = _model_inputs(monkeypatch)
+    seen = spy_model_calls(monkeypatch)
     session = await _two_turns(pool, checkpoint_pool, alice[1])
     # The first turn's run knew there was nothing to read; the second read
     # once (what an earlier turn left in the checkpoint, and LangGraph's start).
@@ -250,6 +236,6 @@ async def test_without_the_first_turn_check_a_later_turn_would_lose_its_history(
     # Negative: every attempt-1 run taken for the session's first: the second
     # turn's model would not see the first turn.
     await rewrite_function(pool, "yuxi.leased_run_v1", "p.seq < t.seq", "false")
-    seen = _model_inputs(monkeypatch)
+    seen = spy_model_calls(monkeypatch)
     await _two_turns(pool, checkpoint_pool, alice[1])
     assert seen == [["one"], ["two"]]
