@@ -69,7 +69,7 @@ $(BENCH_STAMP): pyproject.toml $(STAMP)
 bench-peers: setup $(BENCH_STAMP) ## the peers' workload through Yuxi and through DBOS 3.4 (~1 min)
 	$(BIN)/python -m benchmarks.peers $(BENCH_ARGS)
 
-bench-storage: setup ## bytes per turn of a 1,000-turn session (~2.5-3 min)
+bench-storage: setup ## bytes per turn of a 1,000-turn session (~30 s)
 	$(BIN)/python -m benchmarks.storage $(BENCH_ARGS)
 
 bench-latency: setup ## fan-out of 64 children, wake p50/p99, SSE fan-in to 500 subscribers (~2 min)
