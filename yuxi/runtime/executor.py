@@ -647,9 +647,6 @@ class RunExecutor:
                                 call_id=call_id, visible=tuple(visible), run=run,
                                 cursors=cursors, waits_in_step=waits_in_step,
                                 default_model=self.settings.default_model, sandbox=box),
-                            # The cancel check before each tool call is in
-                            # the reporter's tool_started (one statement).
-                            guard=None,
                             policy=policy, in_flight=in_flight)
         cfg = {"configurable": {"thread_id": str(run["session_id"])},
                "recursion_limit": 2 * int(config.get("max_steps", 25)) + 2}

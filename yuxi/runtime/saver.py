@@ -131,18 +131,31 @@ class RunSaver(AsyncPostgresSaver):
                     False))
         return ops
 
+    def _take_held(self) -> list[tuple[str, Any, bool]]:
+        held, self._held, self._held_id, self._ending = self._held, [], None, False
+        return held
+
+    async def _pipeline(self, ops: list[tuple[str, Any, bool]], query: str | None = None,
+                        params: Any = None) -> Any:
+        """`ops`, then `query`, in one pipeline (one implicit transaction:
+        they commit together or not at all). Returns the query's first row."""
+        async with self.lock, _ainternal.get_connection(self.conn) as conn:
+            async with conn.pipeline():
+                async with conn.cursor(binary=True) as cur:
+                    for op_query, op_params, many in ops:
+                        if many:
+                            await cur.executemany(op_query, op_params)
+                        else:
+                            await cur.execute(op_query, op_params)
+                if query is None:
+                    return None
+                cur = await conn.execute(query, params)
+            return await cur.fetchone()
+
     async def _write(self, ops: list[tuple[str, Any, bool]]) -> None:
         """What is held, then `ops`, in one pipeline (one implicit transaction)."""
-        ops, self._held, self._held_id, self._ending = [*self._held, *ops], [], None, False
-        if not ops:
-            return
-        async with self.lock, _ainternal.get_connection(self.conn) as conn:
-            async with conn.pipeline(), conn.cursor(binary=True) as cur:
-                for query, params, many in ops:
-                    if many:
-                        await cur.executemany(query, params)
-                    else:
-                        await cur.execute(query, params)
+        if ops := [*self._take_held(), *ops]:
+            await self._pipeline(ops)
 
     def _writing(self) -> None:
         self._empty, self._reread = False, None
@@ -151,18 +164,7 @@ class RunSaver(AsyncPostgresSaver):
         """What is held, then `query`, in one pipeline: they commit together
         (or not at all). Returns the query's first row."""
         self._writing()
-        ops, self._held, self._held_id, self._ending = self._held, [], None, False
-        async with self.lock, _ainternal.get_connection(self.conn) as conn:
-            async with conn.pipeline():
-                if ops:
-                    async with conn.cursor(binary=True) as held:
-                        for op_query, op_params, many in ops:
-                            if many:
-                                await held.executemany(op_query, op_params)
-                            else:
-                                await held.execute(op_query, op_params)
-                cur = await conn.execute(query, params)
-            return await cur.fetchone()
+        return await self._pipeline(self._take_held(), query, params)
 
     async def aput(self, config, checkpoint, metadata, new_versions):
         self._writing()
