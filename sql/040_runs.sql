@@ -288,10 +288,8 @@ BEGIN
     -- The completed turn's conversation joins the archive with its
     -- completion: one commit, and a turn's messages are never archived
     -- before its end is (a 'steer' or 'cancelled' outcome archives nothing).
-    IF p_archive_ids IS NOT NULL THEN
-        PERFORM yuxi.archive_conversation_v1(p_run, p_token, p_archive_ids, p_archive_turns,
-                                             p_archive_serde, p_archive_messages, false);
-    END IF;
+    PERFORM yuxi.append_conversation_v1(v_run.session_id, p_archive_ids, p_archive_turns,
+                                        p_archive_serde, p_archive_messages);
     -- The turn's final checkpoint supersedes every earlier one (still under
     -- the lease, which the checkpoint tables' fence checks).
     PERFORM yuxi.prune_checkpoints_v1(v_run.session_id::text);

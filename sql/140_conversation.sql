@@ -38,46 +38,54 @@ CREATE TABLE yuxi.conversation (
     PRIMARY KEY (session_id, position)
 );
 
+-- Append a batch of a session's messages to its archive. The caller holds
+-- the lease of the session's running turn (only that run writes here, so no
+-- two writers race for positions): archive_conversation_v1 checks it, and
+-- complete_run_v1 has fenced its run already. Idempotent: when the archive's
+-- last row is the batch's last message, the batch is there already (a retry
+-- after a crash between this commit and the checkpoint's reset) and nothing
+-- is written.
+CREATE FUNCTION yuxi.append_conversation_v1(
+    p_session uuid, p_ids text[], p_turns uuid[], p_serde text[], p_messages bytea[]
+) RETURNS void
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_last yuxi.conversation;
+    v_count integer := coalesce(array_length(p_ids, 1), 0);
+BEGIN
+    IF v_count = 0 THEN
+        RETURN;
+    END IF;
+    SELECT * INTO v_last FROM yuxi.conversation c
+     WHERE c.session_id = p_session ORDER BY c.position DESC LIMIT 1;
+    IF FOUND AND v_last.message_id = p_ids[v_count] THEN
+        RETURN;  -- archived already
+    END IF;
+    INSERT INTO yuxi.conversation (session_id, position, message_id, turn_id, serde, message)
+    SELECT p_session, coalesce(v_last.position, 0) + m.n, m.id, m.turn, m.serde, m.message
+      FROM unnest(p_ids, p_turns, p_serde, p_messages) WITH ORDINALITY
+           AS m(id, turn, serde, message, n);
+END;
+$$;
+
 -- Archive the messages of an earlier turn that the checkpoint still holds,
 -- fenced by the run's lease (like the checkpoint writes: a worker that lost
 -- its lease writes nothing), then return the session's archived history in
--- order: one round trip at a run's start. Idempotent: when the archive's
--- last row is the batch's last message, the batch is there already (a retry
--- after a crash between this commit and the checkpoint's reset) and nothing
--- is written. Only the leased run of the session's turn writes here, so no
--- two writers race for positions. With empty arrays it only reads (and
--- takes no lock); without p_load it returns nothing (a worker that handed
--- the run over to itself knows the history already).
+-- order: one round trip at a run's start. With empty arrays it only reads
+-- (and takes no lock).
 CREATE FUNCTION yuxi.archive_conversation_v1(
-    p_run uuid, p_token uuid, p_ids text[], p_turns uuid[], p_serde text[], p_messages bytea[],
-    p_load boolean DEFAULT true
+    p_run uuid, p_token uuid, p_ids text[], p_turns uuid[], p_serde text[], p_messages bytea[]
 ) RETURNS TABLE (serde text, message bytea)
     LANGUAGE plpgsql AS $$
 DECLARE
     v_session uuid;
-    v_last yuxi.conversation;
-    v_count integer := coalesce(array_length(p_ids, 1), 0);
 BEGIN
-    IF v_count > 0 THEN
+    IF coalesce(array_length(p_ids, 1), 0) > 0 THEN
         PERFORM yuxi.check_lease_v1(p_run, p_token);
     END IF;
     SELECT r.session_id INTO v_session FROM yuxi.runs r WHERE r.id = p_run;
-    IF v_count > 0 THEN
-        SELECT * INTO v_last FROM yuxi.conversation c
-         WHERE c.session_id = v_session ORDER BY c.position DESC LIMIT 1;
-        IF FOUND AND v_last.message_id = p_ids[v_count] THEN
-            v_count := 0;  -- archived already
-        END IF;
-    END IF;
-    IF v_count > 0 THEN
-        INSERT INTO yuxi.conversation (session_id, position, message_id, turn_id, serde, message)
-        SELECT v_session, coalesce(v_last.position, 0) + m.n, m.id, m.turn, m.serde, m.message
-          FROM unnest(p_ids, p_turns, p_serde, p_messages) WITH ORDINALITY
-               AS m(id, turn, serde, message, n);
-    END IF;
-    IF p_load THEN
-        RETURN QUERY SELECT c.serde, c.message FROM yuxi.conversation c
-                      WHERE c.session_id = v_session ORDER BY c.position;
-    END IF;
+    PERFORM yuxi.append_conversation_v1(v_session, p_ids, p_turns, p_serde, p_messages);
+    RETURN QUERY SELECT c.serde, c.message FROM yuxi.conversation c
+                  WHERE c.session_id = v_session ORDER BY c.position;
 END;
 $$;

@@ -185,7 +185,7 @@ async def test_without_the_archive_check_a_retry_doubles_the_history(
     # Negative case: without the last-row check, archiving the same batch
     # again (the retry after a crash before the reset) writes it twice.
     scope = alice[1]
-    await rewrite_function(pool, "yuxi.archive_conversation_v1",
+    await rewrite_function(pool, "yuxi.append_conversation_v1",
                            "IF FOUND AND v_last.message_id = p_ids[v_count] THEN",
                            "IF false THEN")
     session = await new_session(pool, scope, say_agent())
@@ -454,10 +454,8 @@ async def test_handed_over_turns_carry_the_conversation(pool, checkpoint_pool, a
     assert [r["message_id"] for r in archived] == ids  # each completion archived its turn
 
 
-ARCHIVE_AT_COMPLETION = """IF p_archive_ids IS NOT NULL THEN
-        PERFORM yuxi.archive_conversation_v1(p_run, p_token, p_archive_ids, p_archive_turns,
-                                             p_archive_serde, p_archive_messages, false);
-    END IF;"""
+ARCHIVE_AT_COMPLETION = """PERFORM yuxi.append_conversation_v1(v_run.session_id, p_archive_ids, p_archive_turns,
+                                        p_archive_serde, p_archive_messages);"""
 
 
 async def test_a_completed_turn_is_archived_by_its_completion(pool, checkpoint_pool, alice):

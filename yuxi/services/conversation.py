@@ -75,17 +75,16 @@ def archive_params(messages: Sequence[BaseMessage]) -> dict[str, list[Any]]:
 
 
 async def archive_and_load(conn: psycopg.AsyncConnection, run_id: uuid.UUID,
-                           token: uuid.UUID, earlier: Sequence[BaseMessage] = (), *,
-                           load: bool = True) -> list[BaseMessage]:
+                           token: uuid.UUID, earlier: Sequence[BaseMessage] = ()
+                           ) -> list[BaseMessage]:
     """Archive `earlier`, the messages an earlier turn left in the checkpoint
     (fenced by the run's lease; a batch archived already, by the completion
     of its turn or by a run cut off before its reset, is not written twice;
     must commit before the checkpoint that forgets them), and return the
     archived conversation, oldest first: what the run's model sees before
-    the checkpoint's messages (`load`: else nothing is read). One round
-    trip."""
+    the checkpoint's messages. One round trip."""
     rows = await db.fetch_all(conn, "archive_conversation", {
-        "run_id": run_id, "token": token, **archive_params(earlier), "load": load})
+        "run_id": run_id, "token": token, **archive_params(earlier)})
     return [_load(r["serde"], r["message"]) for r in rows]
 
 
