@@ -1,11 +1,14 @@
 """The run's checkpointer (yuxi.runtime.saver.RunSaver) holds a turn's input
-checkpoint, and the model node's writes, back and writes them with the next
-checkpoint in one round trip (issue 15). A run cut off in between has
-written nothing of the turn: the next run starts the turn again, and the
+checkpoint, step 0 and the model node's writes back and writes them with the
+next checkpoint in one round trip (issue 15), less what that checkpoint
+supersedes (a one-step turn writes one checkpoint); a slow model call gets
+the turn's start written meanwhile. A run cut off in between has written
+nothing of the turn: the next run starts the turn again, and the
 conversation holds its input once; writes of tool calls go out at once."""
 
 from __future__ import annotations
 
+import asyncio
 
 import uuid
 
@@ -13,9 +16,11 @@ import psycopg
 import pytest
 from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 
+from tests.integration import gated
 from tests.integration.helpers import (
     executor, new_session, rewrite_function, rows, runs_with_status, say_agent, scalar,
     spy_model_calls)
+from yuxi.runtime import saver as saver_module
 from yuxi.runtime.saver import RunSaver
 from yuxi.services import conversation, runs, sessions
 
@@ -50,29 +55,131 @@ def writes(monkeypatch):
     return made
 
 
-async def test_a_turns_input_step_goes_out_with_the_next_checkpoint(
-        pool, checkpoint_pool, alice, writes):
-    scope = alice[1]
+INSERTED = """
+CREATE TABLE public.inserted (tbl text NOT NULL);
+CREATE FUNCTION public.log_insert() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO public.inserted VALUES (TG_TABLE_NAME);
+    RETURN NULL;
+END;
+$$;
+CREATE TRIGGER log_insert AFTER INSERT ON langgraph.checkpoints
+    FOR EACH ROW EXECUTE FUNCTION public.log_insert();
+CREATE TRIGGER log_insert AFTER INSERT ON langgraph.checkpoint_blobs
+    FOR EACH ROW EXECUTE FUNCTION public.log_insert();
+CREATE TRIGGER log_insert AFTER INSERT ON langgraph.checkpoint_writes
+    FOR EACH ROW EXECUTE FUNCTION public.log_insert();
+"""
+
+
+async def _inserted(pool) -> dict[str, int]:
+    return {r["tbl"]: r["n"] for r in await rows(
+        pool, "SELECT tbl, count(*) AS n FROM public.inserted GROUP BY tbl")}
+
+
+async def _one_step_turn(pool, checkpoint_pool, scope):
+    async with pool.connection() as conn:
+        await conn.execute(INSERTED)
     session = await new_session(pool, scope, say_agent("answer to {{ input }}"))
     receipt = await sessions.receive_input(pool, scope, session.id, content="q")
     (run_id,) = await runs_with_status(pool, "ready")
     assert await executor(pool, checkpoint_pool).execute(run_id) == "completed"
-    # The input checkpoint, its writes and step 0 in one write; the model's
-    # writes and step 1 (the last: no tool call) with the completion
-    # (LangGraph's saver alone makes five writes, the completion a sixth).
-    assert len(writes) == 2 and writes[0] >= 4 and writes[1] in (
-        "2 with completion", "3 with completion"), writes
     assert [(m["role"], m["content"]) for m in
             await conversation.messages(checkpoint_pool, session.id)] == [
         ("human", "q"), ("ai", "answer to q")]
     result = await sessions.get_result(pool, scope, receipt.turn_id)
     assert result.output["text"] == "answer to q"
+    return session
+
+
+async def test_a_one_step_turn_writes_its_last_checkpoint_once_with_its_completion(
+        pool, checkpoint_pool, alice, writes):
+    # The input checkpoint, its writes, step 0, the model's writes and step 1
+    # (the last: no tool call) go out in one round trip with the completion
+    # (LangGraph's saver alone makes five writes, the completion a sixth),
+    # and of those rows only step 1 and the blobs it references: the
+    # completion would prune the others at once.
+    session = await _one_step_turn(pool, checkpoint_pool, alice[1])
+    assert len(writes) == 1 and writes[0].endswith(" with completion"), writes
+    inserted = await _inserted(pool)
+    assert inserted.get("checkpoints") == 1 and "checkpoint_writes" not in inserted, inserted
+    assert await scalar(pool, "SELECT count(*) FROM langgraph.checkpoints "
+                              "WHERE thread_id = %s", (str(session.id),)) == 1
+
+
+async def test_without_latest_only_every_step_is_written_and_pruned(
+        pool, checkpoint_pool, alice, monkeypatch):
+    # Negative case: the held rows all written, as LangGraph's saver would,
+    # only for the completion to delete them again.
+    monkeypatch.setattr(saver_module, "latest_only", lambda ops: ops)
+    session = await _one_step_turn(pool, checkpoint_pool, alice[1])
+    inserted = await _inserted(pool)
+    assert inserted["checkpoints"] == 3 and inserted["checkpoint_writes"] >= 2, inserted
+    assert await scalar(pool, "SELECT count(*) FROM langgraph.checkpoints "
+                              "WHERE thread_id = %s", (str(session.id),)) == 1
+
+
+async def _flushes(monkeypatch) -> asyncio.Queue:
+    """Each write of what was held (during a model call: the turn's start)."""
+    done: asyncio.Queue = asyncio.Queue()
+    original = RunSaver._write
+
+    async def signalled(self, ops):
+        held = len(self._held)
+        await original(self, ops)
+        if held:
+            done.put_nowait(held)
+
+    monkeypatch.setattr(RunSaver, "_write", signalled)
+    return done
+
+
+async def test_a_slow_model_call_shows_the_turns_input_meanwhile(
+        pool, checkpoint_pool, alice, monkeypatch):
+    # While the model thinks, the turn in flight shows its input in the
+    # conversation (GET .../messages reads the latest checkpoint).
+    monkeypatch.setattr(saver_module, "HOLD_SECONDS", 0)
+    flushed = await _flushes(monkeypatch)
+    with gated.gated_model() as gate:
+        session, receipt, task = await gated.start_run(
+            pool, checkpoint_pool, alice[1], {"model": "gated", "replay": {
+                "default": [{"say": "answer to {{ input }}"}]}}, content="q")
+        await gate.calls.get()  # the model call waits at the gate
+        await flushed.get()
+        assert [(m["role"], m["content"]) for m in
+                await conversation.messages(checkpoint_pool, session.id)] == [("human", "q")]
+        assert not task.done()
+        gate.pass_waiting()
+        assert await task == "completed"
+    assert [m["role"] for m in await conversation.messages(checkpoint_pool, session.id)] == [
+        "human", "ai"]
+
+
+async def test_a_fast_model_call_takes_the_turns_start_along(
+        pool, checkpoint_pool, alice, monkeypatch):
+    # Negative case of the above: within HOLD_SECONDS nothing is written, so
+    # during the call the conversation does not show the input yet.
+    monkeypatch.setattr(saver_module, "HOLD_SECONDS", 3600)
+    flushed = await _flushes(monkeypatch)
+    with gated.gated_model() as gate:
+        session, receipt, task = await gated.start_run(
+            pool, checkpoint_pool, alice[1], {"model": "gated", "replay": {
+                "default": [{"say": "answer to {{ input }}"}]}}, content="q")
+        await gate.calls.get()
+        assert await conversation.messages(checkpoint_pool, session.id) == []
+        gate.pass_waiting()
+        assert await task == "completed"
+    assert flushed.empty()
+    assert [m["role"] for m in await conversation.messages(checkpoint_pool, session.id)] == [
+        "human", "ai"]
 
 
 async def test_a_run_cut_off_before_its_held_input_is_written_starts_the_turn_again(
         pool, checkpoint_pool, alice, monkeypatch):
+    # A slow model call: the turn's start goes out during it (and is cut off).
     scope = alice[1]
-    session = await new_session(pool, scope, say_agent("answer to {{ input }}"))
+    monkeypatch.setattr(saver_module, "HOLD_SECONDS", 0)
+    session = await new_session(pool, scope, say_agent("answer to {{ input }}", delay_ms=50))
     receipt = await sessions.receive_input(pool, scope, session.id, content="q")
     (run_id,) = await runs_with_status(pool, "ready")
     original = RunSaver._write
@@ -114,16 +221,16 @@ async def test_tool_writes_go_out_at_once(pool, checkpoint_pool, alice, writes):
     await sessions.receive_input(pool, scope, session.id, content="q")
     (run_id,) = await runs_with_status(pool, "ready")
     assert await executor(pool, checkpoint_pool).execute(run_id) == "completed"
-    # input + step 0 | model writes + step 1 | echo a | echo b | step 2
+    # input + step 0 + model writes + step 1 | echo a | echo b | step 2
     # (LangGraph's) | model writes + step 3 with the completion.
     assert [w if isinstance(w, str) and " with " not in w else "held" for w in writes] == [
-        "held", "held", "aput_writes", "aput_writes", "aput", "held"], writes
+        "held", "aput_writes", "aput_writes", "aput", "held"], writes
 
 
 async def test_the_last_checkpoint_commits_with_the_completion_or_not_at_all(
         pool, checkpoint_pool, alice, monkeypatch):
-    # The connection dies as the final answer's step and the completion go
-    # out together: neither is there; the next run makes the step again.
+    # The connection dies as the turn's steps and the completion go out
+    # together: none is there; the next run starts the turn again.
     scope = alice[1]
     session = await new_session(pool, scope, say_agent("answer to {{ input }}"))
     receipt = await sessions.receive_input(pool, scope, session.id, content="q")
@@ -136,9 +243,8 @@ async def test_the_last_checkpoint_commits_with_the_completion_or_not_at_all(
 
     monkeypatch.setattr(RunSaver, "write_with", cut_off)
     assert await executor(pool, checkpoint_pool).execute(run_id) == "infra_fault"
-    # Step 0 is there (the input), not the model's answer; the turn runs on.
-    assert [m["role"] for m in await conversation.messages(checkpoint_pool, session.id)] == [
-        "human"]
+    # Nothing of the turn is there; the turn runs on.
+    assert await conversation.messages(checkpoint_pool, session.id) == []
     assert (await sessions.get_turn(pool, scope, receipt.turn_id)).status == "running"
     monkeypatch.setattr(RunSaver, "write_with", original)
     (retry,) = await runs.recover_expired(pool, max_attempts=3)
@@ -170,8 +276,7 @@ async def test_a_completion_refused_by_the_fence_writes_no_checkpoint(
 
     monkeypatch.setattr(RunSaver, "write_with", expire_first)
     assert await executor(pool, checkpoint_pool).execute(run_id) == "lease_lost"
-    assert [m["role"] for m in await conversation.messages(checkpoint_pool, session.id)] == [
-        "human"]
+    assert await conversation.messages(checkpoint_pool, session.id) == []
 
 
 async def _reads(monkeypatch) -> list[str]:

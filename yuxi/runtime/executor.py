@@ -374,6 +374,18 @@ INFRA_REPORT_SECONDS = 180.0
 Next = tuple[dict[str, Any], uuid.UUID]  # a leased next run and its token
 
 
+def _calling(saver: Any, in_flight: Any) -> Any:
+    """How the run's model calls are made: abortable (`in_flight`, a real
+    model), and with the saver's held start of the turn sent meanwhile when
+    the call takes a while (RunSaver.during_model_call)."""
+    hold = getattr(saver, "during_model_call", None)
+    if hold is None:
+        return in_flight
+    if in_flight is None:
+        return hold
+    return lambda call: hold(in_flight(call))
+
+
 class RunExecutor:
     def __init__(self, settings: Settings, pool: AsyncConnectionPool,
                  checkpoint_pool: AsyncConnectionPool, *,
@@ -647,7 +659,7 @@ class RunExecutor:
                                 call_id=call_id, visible=tuple(visible), run=run,
                                 cursors=cursors, waits_in_step=waits_in_step,
                                 default_model=self.settings.default_model, sandbox=box),
-                            policy=policy, in_flight=in_flight)
+                            policy=policy, in_flight=_calling(saver, in_flight))
         cfg = {"configurable": {"thread_id": str(run["session_id"])},
                "recursion_limit": 2 * int(config.get("max_steps", 25)) + 2}
         if self.metrics is not None:

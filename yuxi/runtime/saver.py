@@ -15,8 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, NamedTuple, TypeVar
 
 import psycopg
 from langgraph.checkpoint.base import WRITES_IDX_MAP, get_serializable_checkpoint_metadata
@@ -60,6 +60,49 @@ async def checkpoint_connection(pool: AsyncConnectionPool) -> AsyncIterator[Asyn
 # LangGraph's task path of the graph's model node (a pull task).
 MODEL_TASK = "~__pregel_pull, model"
 
+# A model call still running after this long gets the held writes of its
+# turn's start sent meanwhile: the turn in flight shows its input in the
+# conversation (`GET .../messages`) while a real model thinks; a fast answer
+# takes them along (RunSaver.during_model_call).
+HOLD_SECONDS = 0.05
+
+T = TypeVar("T")
+
+
+class Op(NamedTuple):
+    """A statement of LangGraph's saver and what it writes: `kind`
+    ("blobs", "checkpoint", "writes") and the checkpoint it belongs to."""
+
+    query: str
+    params: Any
+    many: bool
+    kind: str
+    checkpoint_id: str
+
+
+def latest_only(ops: list[Op]) -> list[Op]:
+    """`ops` without what their last checkpoint supersedes: the earlier
+    checkpoints, their pending writes and the blobs the last one does not
+    reference. Only a thread's latest checkpoint is ever read (a run, a
+    wait's resume and a cancel's cleanup all start there, and the turn's
+    completion prunes the rest: prune_checkpoints_v1), so, written in one
+    transaction with it, they would only be deleted again: a one-step turn
+    writes one checkpoint and its blobs instead of three of each and their
+    writes."""
+    last = next((op for op in reversed(ops) if op.kind == "checkpoint"), None)
+    if last is None:
+        return ops
+    versions = last.params[4].obj["channel_versions"]
+    kept = []
+    for op in ops:
+        if op.kind == "blobs":
+            rows = [r for r in op.params if versions.get(r[2]) == r[3]]
+            if rows:
+                kept.append(op._replace(params=rows))
+        elif op.checkpoint_id == last.checkpoint_id:
+            kept.append(op)
+    return kept
+
 
 class RunSaver(AsyncPostgresSaver):
     """The checkpointer of a run: LangGraph's Postgres saver, except that
@@ -99,9 +142,10 @@ class RunSaver(AsyncPostgresSaver):
         # the checkpoint to archive what an earlier turn left there, then
         # LangGraph reads it again to start: one round trip for both.)
         self._reread: tuple[tuple[Any, ...], Any] | None = None
-        self._held: list[tuple[str, Any, bool]] = []
+        self._held: list[Op] = []
         self._held_id: str | None = None
         self._ending = False  # the held writes are a final answer's
+        self._starting = False  # the held writes are the turn's start
 
     def _checkpoint_ops(self, config, checkpoint, metadata, new_versions):
         # The statements of AsyncPostgresSaver.aput (langgraph-checkpoint-postgres 3.x).
@@ -120,42 +164,61 @@ class RunSaver(AsyncPostgresSaver):
                 pass
             else:
                 blob_values[k] = copy["channel_values"].pop(k)
-        ops: list[tuple[str, Any, bool]] = []
+        ops: list[Op] = []
         if blob_versions := {k: v for k, v in new_versions.items() if k in blob_values}:
-            ops.append((self.UPSERT_CHECKPOINT_BLOBS_SQL,
-                        self._dump_blobs(thread_id, checkpoint_ns, blob_values, blob_versions),
-                        True))
-        ops.append((self.UPSERT_CHECKPOINTS_SQL,
-                    (thread_id, checkpoint_ns, checkpoint["id"], checkpoint_id, Jsonb(copy),
-                     Jsonb(get_serializable_checkpoint_metadata(config, metadata))),
-                    False))
+            ops.append(Op(self.UPSERT_CHECKPOINT_BLOBS_SQL,
+                          self._dump_blobs(thread_id, checkpoint_ns, blob_values, blob_versions),
+                          True, "blobs", checkpoint["id"]))
+        ops.append(Op(self.UPSERT_CHECKPOINTS_SQL,
+                      (thread_id, checkpoint_ns, checkpoint["id"], checkpoint_id, Jsonb(copy),
+                       Jsonb(get_serializable_checkpoint_metadata(config, metadata))),
+                      False, "checkpoint", checkpoint["id"]))
         return ops
 
-    def _take_held(self) -> list[tuple[str, Any, bool]]:
+    def _held_ids(self) -> set[str]:
+        return {op.checkpoint_id for op in self._held if op.kind == "checkpoint"}
+
+    def _take_held(self) -> list[Op]:
         held, self._held, self._held_id, self._ending = self._held, [], None, False
+        self._starting = False
         return held
 
-    async def _pipeline(self, ops: list[tuple[str, Any, bool]], query: str | None = None,
+    async def _pipeline(self, ops: list[Op], query: str | None = None,
                         params: Any = None) -> Any:
-        """`ops`, then `query`, in one pipeline (one implicit transaction:
-        they commit together or not at all). Returns the query's first row."""
+        """`ops` (less what their last checkpoint supersedes), then `query`,
+        in one pipeline (one implicit transaction: they commit together or
+        not at all). Returns the query's first row."""
         async with self.lock, _ainternal.get_connection(self.conn) as conn:
             async with conn.pipeline():
                 async with conn.cursor(binary=True) as cur:
-                    for op_query, op_params, many in ops:
-                        if many:
-                            await cur.executemany(op_query, op_params)
+                    for op in latest_only(ops):
+                        if op.many:
+                            await cur.executemany(op.query, op.params)
                         else:
-                            await cur.execute(op_query, op_params)
+                            await cur.execute(op.query, op.params)
                 if query is None:
                     return None
                 cur = await conn.execute(query, params)
             return await cur.fetchone()
 
-    async def _write(self, ops: list[tuple[str, Any, bool]]) -> None:
+    async def _write(self, ops: list[Op]) -> None:
         """What is held, then `ops`, in one pipeline (one implicit transaction)."""
         if ops := [*self._take_held(), *ops]:
             await self._pipeline(ops)
+
+    async def during_model_call(self, call: Awaitable[T]) -> T:
+        """`call` (a model call); if it is still running after HOLD_SECONDS,
+        what is held of the turn's start is written meanwhile."""
+        task = asyncio.ensure_future(call)
+        try:
+            done, _ = await asyncio.wait({task}, timeout=HOLD_SECONDS)
+            if not done and self._starting:
+                await self._write([])
+            return await task
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     def _writing(self) -> None:
         self._empty, self._reread = False, None
@@ -170,6 +233,13 @@ class RunSaver(AsyncPostgresSaver):
         self._writing()
         if (metadata or {}).get("source") == "input" and not self._held:
             self._held = self._checkpoint_ops(config, checkpoint, metadata, new_versions)
+            self._held_id, self._starting = checkpoint["id"], True
+        elif self._starting and len(self._held_ids()) == 1 \
+                and config["configurable"].get("checkpoint_id") == self._held_id:
+            # The step after the input (the input applied) waits with it for
+            # the model's step: one write for the turn's start and its first
+            # answer.
+            self._held += self._checkpoint_ops(config, checkpoint, metadata, new_versions)
             self._held_id = checkpoint["id"]
         elif self._ending and config["configurable"].get("checkpoint_id") == self._held_id:
             # The model answered without tool calls: this is the turn's last
@@ -195,10 +265,10 @@ class RunSaver(AsyncPostgresSaver):
                      else self.INSERT_CHECKPOINT_WRITES_SQL)
             # The model's answer without tool calls (its writes are its
             # messages only): the step's checkpoint ends the graph.
-            self._ending = not self._held and all(w[0] == "messages" for w in writes)
-            self._held.append((query, self._dump_writes(
+            self._ending = task_path == MODEL_TASK and all(w[0] == "messages" for w in writes)
+            self._held.append(Op(query, self._dump_writes(
                 config["configurable"]["thread_id"], config["configurable"]["checkpoint_ns"],
-                checkpoint_id, task_id, task_path, writes), True))
+                checkpoint_id, task_id, task_path, writes), True, "writes", checkpoint_id))
             self._held_id = checkpoint_id
             return
         await self._write([])  # never write around what is held
