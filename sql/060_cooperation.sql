@@ -147,13 +147,17 @@ $$;
 CREATE FUNCTION yuxi.record_effect_v1(
     p_run uuid, p_call_id text, p_tool text, p_fingerprint text, p_result jsonb
 ) RETURNS jsonb
-    LANGUAGE sql AS $$
+    -- plpgsql, not sql: a SQL function that cannot be inlined is parsed and
+    -- planned again at every call (each effect of a fan-out makes one).
+    LANGUAGE plpgsql AS $$
+BEGIN
     INSERT INTO yuxi.effects (turn_id, call_id, session_id, tree_id, user_id, app_id, tool,
                               fingerprint, result, first_run_id)
     SELECT turn_id, p_call_id, session_id, tree_id, user_id, app_id, p_tool, p_fingerprint,
            p_result, id
-      FROM yuxi.runs WHERE id = p_run
-    RETURNING result;
+      FROM yuxi.runs WHERE id = p_run;
+    RETURN CASE WHEN FOUND THEN p_result END;
+END;
 $$;
 
 -- Create a child of the session whose run dispatches it, with a frozen config,
