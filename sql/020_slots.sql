@@ -13,12 +13,19 @@ CREATE FUNCTION yuxi.defer_run_job_v1(p_run uuid) RETURNS bigint
     LANGUAGE plpgsql
     SET search_path = procrastinate, pg_catalog
 AS $$
+DECLARE
+    v_queue text := yuxi.run_queue_v1((SELECT tree_id FROM yuxi.runs WHERE id = p_run));
+    v_job bigint;
 BEGIN
-    RETURN (procrastinate_defer_jobs_v1(ARRAY[ROW(
-        yuxi.run_queue_v1((SELECT tree_id FROM yuxi.runs WHERE id = p_run)), 'execute_run',
-        0, NULL, NULL,
-        jsonb_build_object('run_id', p_run), NULL
+    v_job := (procrastinate_defer_jobs_v1(ARRAY[ROW(
+        v_queue, 'execute_run', 0, NULL, NULL, jsonb_build_object('run_id', p_run), NULL
     )::procrastinate_job_to_defer_v1]))[1];
+    -- A worker of the queue with a free slot claims the run at once, one
+    -- round trip instead of Procrastinate's fetch and then the lease
+    -- (claim_run_v1); the job stays the way the run is executed when no
+    -- worker claims it (all busy, the notification missed).
+    PERFORM pg_notify('yuxi_ready', v_queue || ' ' || p_run || ' ' || v_job);
+    RETURN v_job;
 END;
 $$;
 

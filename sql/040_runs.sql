@@ -80,6 +80,40 @@ BEGIN
 END;
 $$;
 
+-- A worker woken by `yuxi_ready` (defer_run_job_v1) takes a ready run
+-- without its job: the lease (start_run_v1) and the removal of the job still
+-- waiting in the queue commit together, so Procrastinate never hands that job
+-- out. A job already fetched stays: its task finds the run taken (start_run_v1
+-- returns NULL: the job is a no-op). NULL when the run is not ready.
+CREATE FUNCTION yuxi.claim_run_v1(p_run uuid, p_job bigint, p_token uuid,
+                                  p_lease_seconds double precision, p_mark boolean,
+                                  p_host text)
+RETURNS yuxi.leased_run
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_run yuxi.leased_run;
+BEGIN
+    v_run := yuxi.start_run_v1(p_run, p_token, p_lease_seconds, p_mark, p_host);
+    IF v_run.id IS NOT NULL THEN
+        PERFORM yuxi.drop_run_job_v1(p_job, p_run);
+    END IF;
+    RETURN v_run;
+END;
+$$;
+
+-- The job of a claimed run, if no worker fetched it yet. (Procrastinate's
+-- own triggers on its jobs table name its tables unqualified.)
+CREATE FUNCTION yuxi.drop_run_job_v1(p_job bigint, p_run uuid) RETURNS void
+    LANGUAGE plpgsql
+    SET search_path = procrastinate, pg_catalog
+AS $$
+BEGIN
+    DELETE FROM procrastinate_jobs
+     WHERE id = p_job AND status = 'todo' AND task_name = 'execute_run'
+       AND args->>'run_id' = p_run::text;
+END;
+$$;
+
 -- Extend a lease. Returns false when the lease is lost: the worker must stop.
 CREATE FUNCTION yuxi.heartbeat_run_v1(p_run uuid, p_token uuid, p_lease_seconds double precision)
 RETURNS boolean

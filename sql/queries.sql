@@ -146,6 +146,11 @@ LIMIT %(limit)s;
 SELECT * FROM yuxi.start_run_v1(%(run_id)s, %(token)s, %(lease_seconds)s, %(mark)s, %(host)s)
 WHERE id IS NOT NULL;
 
+-- name: claim_run
+SELECT * FROM yuxi.claim_run_v1(%(run_id)s, %(job_id)s, %(token)s, %(lease_seconds)s,
+                                %(mark)s, %(host)s)
+WHERE id IS NOT NULL;
+
 -- name: heartbeat_run
 SELECT yuxi.heartbeat_run_v1(%(run_id)s, %(token)s, %(lease_seconds)s) AS held;
 

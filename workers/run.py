@@ -39,7 +39,7 @@ async def _database_answers(app) -> bool:
 
 async def serve(concurrency: int | None) -> int:
     from workers.app import app, settings
-    from workers import tasks  # noqa: F401  (the tasks, before the first job)
+    from workers import tasks  # (the tasks, before the first job)
 
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
@@ -50,6 +50,7 @@ async def serve(concurrency: int | None) -> int:
             return
         log.warning("worker: %s received, stopping", signal.Signals(signum).name)
         stopping.set()
+        tasks.stop_claims()  # the runs claimed already finish, as jobs do
         if current is not None:
             current.cancel()  # Procrastinate stops gracefully when cancelled
 

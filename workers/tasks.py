@@ -47,6 +47,11 @@ async def _executor() -> RunExecutor:
             await checkpoints.open(wait=True)
             _context["executor"] = executor = RunExecutor(settings, pool, checkpoints)
             executor.metrics = metrics
+            # Ready runs of this worker's run queues are claimed as they are
+            # deferred while the process has a free slot (their jobs are the
+            # fallback): one round trip from ready to running.
+            if settings.worker_claims:
+                executor.claims(("runs", HOST_QUEUE))
             # The host heartbeat goes on in this process whatever its jobs do
             # (a worker busy with long runs still holds its sandboxes).
             _context["heartbeat"] = asyncio.create_task(_host_heartbeats(pool),
@@ -73,11 +78,19 @@ async def host_heartbeat(context: JobContext, timestamp: int) -> None:
     await runs.host_heartbeat(executor.pool, settings.host_id)
 
 
+def stop_claims() -> None:
+    """Claim no more ready runs (the worker is stopping)."""
+    executor = _context.get("executor")
+    if executor is not None:
+        executor.stop_claims()
+
+
 async def close_executor() -> None:
     """Close this process's pools (the worker is stopping)."""
     async with _context_lock:
         executor = _context.pop("executor", None)
     if executor is not None:
+        await executor.close_claims()
         await executor.pool.close()
         await executor.checkpoint_pool.close()
 

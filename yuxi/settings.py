@@ -37,6 +37,9 @@ class Settings(msgspec.Struct, frozen=True):
     sse_keepalive_seconds: float = 15.0
     # Concurrent runs one worker process executes.
     worker_concurrency: int = 16
+    # YUXI_WORKER_CLAIMS=0: workers leave every ready run to its job (no
+    # claims on `yuxi_ready`; workers/tasks.py).
+    worker_claims: bool = True
     # Where tree workdirs and sandboxes live (shared by workers of one host).
     data_dir: str = ".yuxi/data"
     # Tree sandboxes (docs/sandbox.md): "bwrap" confines a tree's commands
@@ -129,6 +132,7 @@ class Settings(msgspec.Struct, frozen=True):
                 max_run_attempts=int(env.get("YUXI_MAX_RUN_ATTEMPTS", "3")),
                 sse_keepalive_seconds=float(env.get("YUXI_SSE_KEEPALIVE_SECONDS", "15")),
                 worker_concurrency=int(env.get("YUXI_WORKER_CONCURRENCY", "16")),
+                worker_claims=_choice(env, "YUXI_WORKER_CLAIMS", ("1", "0")) == "1",
                 data_dir=env.get("YUXI_DATA_DIR", ".yuxi/data"),
                 sandbox=_choice(env, "YUXI_SANDBOX", ("bwrap", "host")),
                 sandbox_network=_choice(env, "YUXI_SANDBOX_NETWORK", ("none", "outbound")),

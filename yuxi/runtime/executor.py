@@ -398,21 +398,74 @@ class RunExecutor:
         # yuxi.metrics.WorkerMetrics when this worker exposes metrics.
         self.metrics: Any = None
         # The process's LISTEN on cancel notifications, started by the first
-        # run of a real model (the replay model stops at boundaries).
-        self.cancels = CancelWatch(pool.conninfo)
+        # run of a real model (the replay model stops at boundaries), and on
+        # ready runs when the worker claims them (`claims`).
+        # (A LISTEN needs a session: the server itself behind a pooler.)
+        self.cancels = CancelWatch(settings.session_database_url if settings.pooled
+                                   else pool.conninfo)
+        # The process's runs at once, whether a job or a claim brought them
+        # (YUXI_WORKER_CONCURRENCY).
+        self.slots = asyncio.Semaphore(settings.worker_concurrency)
+        self._claims: set[asyncio.Task[Any]] = set()
 
-    async def execute(self, run_id: uuid.UUID) -> str:
+    def claims(self, queues: tuple[str, ...]) -> None:
+        """Claim ready runs of `queues` as they are deferred (`yuxi_ready`),
+        while this process has a free slot: their jobs are then removed,
+        never fetched (claim_run_v1). Without a free slot the job stays for
+        whichever worker fetches it first."""
+        def on_ready(payload: str) -> None:
+            try:
+                queue, run_id, job_id = payload.split()
+                run, job = uuid.UUID(run_id), int(job_id)
+            except ValueError:
+                log.warning("ignoring a malformed yuxi_ready payload %r", payload[:200])
+                return
+            if queue not in queues or self.slots.locked():
+                return
+            task = asyncio.create_task(self._claimed(run, job), name=f"yuxi-claim-{run}")
+            self._claims.add(task)
+            task.add_done_callback(self._claims.discard)
+
+        self.cancels.on_ready = on_ready
+        self.cancels.start()
+
+    async def _claimed(self, run_id: uuid.UUID, job_id: int) -> None:
+        try:
+            outcome = await self.execute(run_id, job_id=job_id)
+        except Exception:
+            # Its lease expires and the recovery sweep retries it.
+            log.exception("claimed run %s", run_id)
+            return
+        if outcome != "skipped":
+            log.info("run %s (claimed): %s", run_id, outcome)
+
+    def stop_claims(self) -> None:
+        self.cancels.on_ready = None
+
+    async def close_claims(self) -> None:
+        """Claim no more, and let the claimed runs in flight finish (as a
+        stopping worker's jobs do; a run cut off by a kill is recovered when
+        its lease expires)."""
+        self.stop_claims()
+        await asyncio.gather(*self._claims, return_exceptions=True)
+
+    async def execute(self, run_id: uuid.UUID, *, job_id: int | None = None) -> str:
         """Execute a run, then the runs handed over to this worker when a run
         completed (up to max_continued_runs; sql/020_slots.sql). Returns what
-        happened to the last one: skipped (not ready: a stale or duplicate job),
-        completed, suspended, cancelled, failed, or lease_lost (then the worker
-        changed nothing)."""
+        happened to the last one: skipped (not ready: a stale or duplicate job,
+        or a run another worker claimed), completed, suspended, cancelled,
+        failed, or lease_lost (then the worker changed nothing). `job_id`: a
+        claim (`claims`), which removes the run's job with the lease."""
+        async with self.slots:
+            return await self._execute(run_id, job_id)
+
+    async def _execute(self, run_id: uuid.UUID, job_id: int | None) -> str:
         token = uuid.uuid4()
         # One checkpoint connection for the job's runs: taking a lease on it
         # marks it for the checkpointer (start_run_v1, complete_run_v1).
         async with checkpoint_connection(self.checkpoint_pool) as conn:
             run = await runs.start_run(conn, run_id, token, self.settings.lease_seconds,
-                                       mark=True, host=self.settings.host_id)
+                                       mark=True, host=self.settings.host_id, job_id=job_id)
             if run is None:
                 return "skipped"
             for left in range(self.max_continued_runs, -1, -1):

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 
 DELTA_CHANNEL = "yuxi_deltas"
 CANCEL_CHANNEL = "yuxi_cancel"
+# Ready runs, for an idle worker to claim (sql/020_slots.sql, defer_run_job_v1).
+READY_CHANNEL = "yuxi_ready"
 FLUSH_SECONDS = 0.05
 # Characters of text per payload: even 6 bytes per character (JSON escapes)
 # keeps a payload under PostgreSQL's 8000-byte limit.
@@ -105,7 +107,9 @@ class _Watched:
 
 
 class CancelWatch:
-    """One LISTEN connection per worker process, on `yuxi_cancel`."""
+    """One LISTEN connection per worker process, on `yuxi_cancel`, and on
+    `yuxi_ready` when `on_ready` is set (the worker's claims) before it
+    starts (`start`, else the first watched turn starts it)."""
 
     def __init__(self, url: str, *, poll_seconds: float = 5.0) -> None:
         self.url = url
@@ -113,6 +117,10 @@ class CancelWatch:
         self._turns: dict[str, list[_Watched]] = {}
         self._task: asyncio.Task | None = None
         self._ready = asyncio.Event()
+        self.on_ready: Callable[[str], None] | None = None
+
+    def start(self) -> None:
+        self._ensure_started()
 
     def _ensure_started(self) -> None:
         if self._task is None or self._task.done():
@@ -167,11 +175,19 @@ class CancelWatch:
             for task in list(entry.calls):
                 task.cancel()
 
+    def _note(self, note: Any) -> None:
+        if note.channel == CANCEL_CHANNEL:
+            self._cancel(note.payload)
+        elif self.on_ready is not None:
+            self.on_ready(note.payload)
+
     async def _listen_forever(self) -> None:
-        # Missed notifications cost latency only: boundaries still check.
-        await db.listen_forever(self.url, (CANCEL_CHANNEL,),
-                                lambda note: self._cancel(note.payload),
-                                what="cancel listener", on_connect=self._ready.set,
+        # Missed notifications cost latency only: boundaries still check, and
+        # a ready run's job is still in the queue.
+        channels = (CANCEL_CHANNEL,) if self.on_ready is None else (CANCEL_CHANNEL,
+                                                                    READY_CHANNEL)
+        await db.listen_forever(self.url, channels, self._note,
+                                what="worker listener", on_connect=self._ready.set,
                                 on_disconnect=self._ready.clear,
                                 poll_seconds=self.poll_seconds)
 

@@ -17,16 +17,18 @@ from yuxi import db
 async def start_run(
     source: AsyncConnectionPool | AsyncConnection, run_id: uuid.UUID, token: uuid.UUID,
     lease_seconds: float, *, mark: bool = False, host: str | None = None,
+    job_id: int | None = None,
 ) -> dict[str, Any] | None:
     """Take the lease of a ready run; None when the run is not ready (a stale
     or duplicate job). `mark`: `source` is the run's checkpoint connection,
-    marked with the lease in the same transaction."""
+    marked with the lease in the same transaction. `job_id`: the run's job,
+    removed from the queue with the lease (a claim on `yuxi_ready`)."""
+    params = {"run_id": run_id, "token": token, "lease_seconds": lease_seconds, "mark": mark,
+              "host": host}
     async with db.connection(source) as conn:
-        return await db.fetch_one(
-            conn, "start_run",
-            {"run_id": run_id, "token": token, "lease_seconds": lease_seconds, "mark": mark,
-             "host": host},
-        )
+        if job_id is None:
+            return await db.fetch_one(conn, "start_run", params)
+        return await db.fetch_one(conn, "claim_run", {**params, "job_id": job_id})
 
 
 async def heartbeat(

@@ -1,0 +1,112 @@
+"""A ready run is announced on `yuxi_ready` with its job (defer_run_job_v1),
+and a worker with a free slot claims it: the lease and the removal of the
+job still in the queue commit together (claim_run_v1), so Procrastinate
+never hands that job out. A job fetched first stays and finds its run taken."""
+
+from __future__ import annotations
+
+import uuid
+
+import psycopg
+
+from tests.integration.helpers import (
+    executor, new_session, rewrite_function, runs_with_status, scalar)
+from yuxi.services import sessions
+
+JOB = "SELECT status::text FROM procrastinate.procrastinate_jobs WHERE id = %s"
+
+
+async def _announced(db_url, pool, scope) -> tuple[str, uuid.UUID, int, object]:
+    """An input to an idle session, and what `yuxi_ready` said of its run."""
+    session = await new_session(pool, scope)
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as listener:
+        await listener.execute("LISTEN yuxi_ready")
+        receipt = await sessions.receive_input(pool, scope, session.id, content="q")
+        note = await anext(listener.notifies(timeout=5))
+    queue, run, job = note.payload.split()
+    (ready,) = await runs_with_status(pool, "ready")
+    assert uuid.UUID(run) == ready
+    return queue, ready, int(job), receipt
+
+
+async def test_a_claimed_run_takes_its_job_out_of_the_queue(db_url, pool, checkpoint_pool,
+                                                            alice):
+    queue, run, job, receipt = await _announced(db_url, pool, alice[1])
+    assert queue == "runs" and await scalar(pool, JOB, (job,)) == "todo"
+    ex = executor(pool, checkpoint_pool)
+    assert await ex.execute(run, job_id=job) == "completed"
+    assert await scalar(pool, JOB, (job,)) is None
+    assert (await sessions.get_turn(pool, alice[1], receipt.turn_id)).status == "completed"
+    # The job fetched anyway (it was not: a late duplicate) finds nothing to do.
+    assert await ex.execute(run) == "skipped"
+
+
+async def test_without_the_job_removal_the_job_stays_queued(db_url, pool, checkpoint_pool,
+                                                            alice):
+    # Negative case: a claim that leaves the job queued lets Procrastinate
+    # hand it out again (to be skipped: one more fetch and task per run).
+    await rewrite_function(pool, "yuxi.claim_run_v1",
+                           "PERFORM yuxi.drop_run_job_v1(p_job, p_run);", "NULL;")
+    _queue, run, job, _receipt = await _announced(db_url, pool, alice[1])
+    assert await executor(pool, checkpoint_pool).execute(run, job_id=job) == "completed"
+    assert await scalar(pool, JOB, (job,)) == "todo"
+
+
+async def test_a_job_fetched_first_stays_and_finds_its_run_taken(db_url, pool, checkpoint_pool,
+                                                                 alice):
+    _queue, run, job, _receipt = await _announced(db_url, pool, alice[1])
+    # A worker fetched the job meanwhile (Procrastinate's triggers name its
+    # tables unqualified).
+    async with await psycopg.AsyncConnection.connect(
+            db_url, autocommit=True, options="-c search_path=procrastinate") as conn:
+        await conn.execute("UPDATE procrastinate_jobs SET status = 'doing' WHERE id = %s",
+                           (job,))
+    ex = executor(pool, checkpoint_pool)
+    assert await ex.execute(run, job_id=job) == "completed"
+    assert await scalar(pool, JOB, (job,)) == "doing"
+    assert await ex.execute(run) == "skipped"  # the fetched job's task
+
+
+async def test_a_claim_comes_second_to_the_job(db_url, pool, checkpoint_pool, alice):
+    _queue, run, job, _receipt = await _announced(db_url, pool, alice[1])
+    ex = executor(pool, checkpoint_pool)
+    assert await ex.execute(run) == "completed"  # the job's task took the run first
+    assert await ex.execute(run, job_id=job) == "skipped"
+
+
+async def test_a_worker_claims_only_its_queues_and_only_with_a_free_slot(
+        db_url, pool, checkpoint_pool, alice):
+    ex = executor(pool, checkpoint_pool, worker_concurrency=1)
+    ex.claims(("runs",))
+    try:
+        on_ready = ex.cancels.on_ready
+        run, job = uuid.uuid4(), 1
+        on_ready("runs@elsewhere %s %d" % (run, job))  # another host's queue
+        on_ready("garbage")  # not a payload of ours
+        assert not ex._claims
+        async with ex.slots:  # the process is busy
+            on_ready("runs %s %d" % (run, job))
+            assert not ex._claims
+        on_ready("runs %s %d" % (run, job))  # no such run: claimed, then skipped
+        assert len(ex._claims) == 1
+    finally:
+        await ex.close_claims()
+    assert ex.cancels.on_ready is None and not ex._claims
+    # The listener claims what is deferred: the turn completes with no job run.
+    ex2 = executor(pool, checkpoint_pool)
+    ex2.claims(("runs",))
+    try:
+        assert await ex2.cancels.ready()
+        session = await new_session(pool, alice[1])
+        receipt = await sessions.receive_input(pool, alice[1], session.id, content="q")
+        async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as conn:
+            await conn.execute("LISTEN yuxi_events")
+            async for _note in conn.notifies(timeout=10):
+                turn = await sessions.get_turn(pool, alice[1], receipt.turn_id)
+                if turn.status == "completed":
+                    break
+        assert (await sessions.get_turn(pool, alice[1], receipt.turn_id)).status == "completed"
+        assert await scalar(pool, "SELECT count(*) FROM procrastinate.procrastinate_jobs "
+                                  "WHERE task_name = 'execute_run'") == 0
+    finally:
+        await ex2.close_claims()
