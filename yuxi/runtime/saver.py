@@ -110,8 +110,10 @@ class RunSaver(AsyncPostgresSaver):
     checkpoint that follows them, in one pipeline (one implicit transaction,
     one round trip instead of two or three; issue 15):
 
-    - a turn's input checkpoint (LangGraph's step -1, `source: input`) and
-      its writes, with step 0;
+    - a turn's input checkpoint (LangGraph's step -1, `source: input`), its
+      writes and the step after it (the input applied), with the model's
+      step; a model call still running after HOLD_SECONDS gets them written
+      meanwhile (`during_model_call`: the turn in flight shows its input);
     - the writes of the model node, with the checkpoint of its step: the
       model node is the only task of its step (the graph's topology,
       yuxi.runtime.graph), so no other task runs in between, and its step's
@@ -121,6 +123,9 @@ class RunSaver(AsyncPostgresSaver):
       the executor sends through `write_with` (complete_run_v1 in the same
       implicit transaction: the turn's last checkpoint commits with its
       result, one round trip for both).
+
+    A held batch goes out without what its last checkpoint supersedes
+    (`latest_only`): a one-step turn writes one checkpoint, not three.
 
     A worker that dies in between has written neither, as if it died a
     moment earlier: the next run of the turn starts from the checkpoint
