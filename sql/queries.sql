@@ -470,6 +470,12 @@ SELECT position, message_id, serde, message FROM yuxi.conversation
 WHERE session_id = %(session_id)s AND position < %(before)s
 ORDER BY position DESC LIMIT %(limit)s;
 
+-- The whole archive of a session, oldest first: what a turn's model sees
+-- before the checkpoint's messages.
+-- name: conversation_history
+SELECT message_id, serde, message FROM yuxi.conversation
+WHERE session_id = %(session_id)s ORDER BY position;
+
 -- The archive's last row: where the checkpoint's messages continue, and
 -- whether they are archived already.
 -- name: conversation_last

@@ -276,6 +276,14 @@ async def _reads(monkeypatch) -> list[str]:
         return await original(self, config)
 
     monkeypatch.setattr(AsyncPostgresSaver, "aget_tuple", counted)
+    original_with = RunSaver.aget_tuple_with
+
+    async def counted_with(self, config, query, params):
+        if not self._empty:  # (an empty thread's is answered without a read)
+            made.append(config["configurable"]["thread_id"])
+        return await original_with(self, config, query, params)
+
+    monkeypatch.setattr(RunSaver, "aget_tuple_with", counted_with)
     return made
 
 
@@ -331,3 +339,34 @@ async def test_without_the_first_turn_check_a_later_turn_would_lose_its_history(
     seen = spy_model_calls(monkeypatch)
     await _two_turns(pool, checkpoint_pool, alice[1])
     assert seen == [["one"], ["two"]]
+
+
+@pytest.mark.parametrize("first", ["completed", "failed"])
+async def test_a_turns_first_run_reads_the_archive_with_the_checkpoint(
+        pool, checkpoint_pool, alice, monkeypatch, first):
+    # A completed turn was archived by its completion: the next turn's first
+    # run reads it with the checkpoint (one round trip) and writes nothing.
+    # A failed one was not: that run archives it first (archive_and_load).
+    from tests.integration.test_conversation_archive import FAILS_ON_LOOP
+
+    archived: list[int] = []
+    original = conversation.archive_and_load
+
+    async def spied(conn, run_id, token, earlier=()):
+        archived.append(len(earlier))
+        return await original(conn, run_id, token, earlier)
+
+    monkeypatch.setattr(conversation, "archive_and_load", spied)
+    seen = spy_model_calls(monkeypatch)
+    scope = alice[1]
+    session = await new_session(pool, scope, FAILS_ON_LOOP)
+    for text, outcome in (("one" if first == "completed" else "loop", first), ("two", "")):
+        await sessions.receive_input(pool, scope, session.id, content=text)
+        (run_id,) = await runs_with_status(pool, "ready")
+        assert await executor(pool, checkpoint_pool).execute(run_id) == (outcome or "completed")
+    if first == "completed":
+        assert archived == [] and seen[-1] == ["one", "echo: one", "two"]
+    else:
+        assert len(archived) == 1 and archived[0] >= 2 and seen[-1][0] == "loop"
+    assert [m["content"] for m in await conversation.messages(checkpoint_pool, session.id)
+            if m["role"] == "human"] == ["one" if first == "completed" else "loop", "two"]

@@ -261,6 +261,8 @@ class TurnConversation:
         self.conn, self.run, self.token, self.carry = conn, run, token, carry
         self.loaded = False
         self.history: list[Any] = []
+        # The archive's rows, read with the checkpoint (earlier_messages).
+        self._archive: list[dict[str, Any]] | None = None
         # The checkpoint's messages when the graph last returned.
         self.final: list[Any] = []
 
@@ -271,8 +273,14 @@ class TurnConversation:
         so nothing is archived either)."""
         if self.carry is not None:
             return list(self.carry.messages)
-        found = await graph.checkpointer.aget_tuple(
-            {"configurable": {**cfg["configurable"], "checkpoint_ns": ""}})
+        config = {"configurable": {**cfg["configurable"], "checkpoint_ns": ""}}
+        saver = graph.checkpointer
+        if isinstance(saver, RunSaver):  # with the archive, in one round trip
+            found, self._archive = await saver.aget_tuple_with(
+                config, db.QUERIES["conversation_history"],
+                {"session_id": self.run["session_id"]})
+        else:
+            found = await saver.aget_tuple(config)
         return list(found.checkpoint["channel_values"].get("messages", [])) if found else None
 
     async def load(self, graph: Any, earlier: list[Any] | None = ()) -> None:
@@ -286,9 +294,14 @@ class TurnConversation:
         elif self.carry is not None and earlier:
             # Archived by the completion that handed this run over.
             self.history = [*self.carry.history, *earlier]
+        elif self._archive is not None and (history := conversation.archived_history(
+                self._archive, earlier or ())) is not None:
+            # Archived by the completion of their turn (read with them).
+            self.history = history
         else:
             self.history = await conversation.archive_and_load(
                 self.conn, self.run["id"], self.token, earlier or ())
+        self._archive = None
         set_history(graph, self.history)
         self.loaded = True
 

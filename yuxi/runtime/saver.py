@@ -24,6 +24,7 @@ from langgraph.checkpoint.postgres import _ainternal
 from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 from langgraph.checkpoint.serde.types import _DeltaSnapshot
 from psycopg import AsyncConnection
+from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
@@ -278,6 +279,36 @@ class RunSaver(AsyncPostgresSaver):
             return
         await self._write([])  # never write around what is held
         await super().aput_writes(config, writes, task_id, task_path)
+
+    async def aget_tuple_with(self, config, query: str, params: Any) -> tuple[Any, list[Any]]:
+        """The thread's latest checkpoint (as `aget_tuple` finds it) and
+        `query`'s rows, in one round trip; the checkpoint is kept for
+        LangGraph's next read of it. (A turn's first run reads the
+        checkpoint an earlier turn left and the archive of the conversation
+        together: one round trip where there were two.)"""
+        c = config["configurable"]
+        if self._empty and not self._held:
+            return None, []  # nothing ran in the thread: nothing to read either
+        if self._held or c.get("checkpoint_id"):
+            found = await self.aget_tuple(config)
+            async with self.lock, _ainternal.get_connection(self.conn) as conn:
+                return found, await (await conn.execute(query, params)).fetchall()
+        key = (c.get("thread_id"), c.get("checkpoint_ns", ""), None)
+        async with self.lock, _ainternal.get_connection(self.conn) as conn:
+            async with conn.pipeline(), conn.cursor(binary=True, row_factory=dict_row) as latest, \
+                    conn.cursor(row_factory=dict_row) as other:
+                # LangGraph's query of aget_tuple, for the latest checkpoint.
+                await latest.execute(
+                    self.SELECT_SQL + "WHERE thread_id = %s AND checkpoint_ns = %s "
+                    "ORDER BY checkpoint_id DESC LIMIT 1", key[:2], binary=True)
+                await other.execute(query, params)
+                value = await latest.fetchone()
+                rows = await other.fetchall()
+        if value is not None and value["checkpoint"]["v"] < 4:
+            return await self.aget_tuple(config), rows  # (pending sends to migrate)
+        found = None if value is None else await self._load_checkpoint_tuple(value)
+        self._reread = (key, found)
+        return found, rows
 
     async def aget_tuple(self, config):
         if self._empty and not self._held:

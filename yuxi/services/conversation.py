@@ -88,6 +88,17 @@ async def archive_and_load(conn: psycopg.AsyncConnection, run_id: uuid.UUID,
     return [_load(r["serde"], r["message"]) for r in rows]
 
 
+def archived_history(rows: Sequence[dict[str, Any]], earlier: Sequence[BaseMessage]
+                     ) -> list[BaseMessage] | None:
+    """The conversation from the archive's rows (`conversation_history`),
+    when it holds `earlier` (what the checkpoint holds of earlier turns)
+    already, as after a completed turn: nothing to archive first. None
+    otherwise (archive_and_load)."""
+    if unarchived(earlier, rows[-1] if rows else None):
+        return None
+    return [_load(r["serde"], r["message"]) for r in rows]
+
+
 async def _checkpoint_messages(source: AsyncConnectionPool | psycopg.AsyncConnection,
                                session_id: uuid.UUID) -> list[BaseMessage]:
     """The messages of the latest checkpoint (without pending writes of a
