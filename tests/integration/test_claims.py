@@ -5,6 +5,7 @@ never hands that job out. A job fetched first stays and finds its run taken."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import psycopg
@@ -89,6 +90,15 @@ async def test_a_worker_claims_only_its_queues_and_only_with_a_free_slot(
             assert not ex._claims
         on_ready("runs %s %d" % (run, job))  # no such run: claimed, then skipped
         assert len(ex._claims) == 1
+        await asyncio.gather(*ex._claims)
+        # A burst beyond the free slots: the claims that find no slot when
+        # they start give up (their jobs are there) instead of waiting.
+        for _ in range(5):
+            on_ready("runs %s %d" % (uuid.uuid4(), job))
+        pending = list(ex._claims)
+        assert len(pending) == 5
+        async with ex.slots:  # taken before any of them starts
+            await asyncio.wait_for(asyncio.gather(*pending), 5)
     finally:
         await ex.close_claims()
     assert ex.cancels.on_ready is None and not ex._claims

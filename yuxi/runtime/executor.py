@@ -443,6 +443,11 @@ class RunExecutor:
         self.cancels.start()
 
     async def _claimed(self, run_id: uuid.UUID, job_id: int) -> None:
+        if self.slots.locked():
+            # Taken meanwhile (a burst of announcements): no waiting for a
+            # slot, the job is there for that. (From here to taking the slot
+            # in `execute` nothing awaits: no other task runs in between.)
+            return
         try:
             outcome = await self.execute(run_id, job_id=job_id)
         except Exception:
