@@ -187,6 +187,13 @@ async def scenario_fanout(args: Any, log_dir: Path) -> list[str]:
 # 2. Wake
 
 
+# Waits before the measured ones: each connection of a worker's pools plans
+# the PL/pgSQL functions it runs on first use (~1-3 ms a transition on this
+# machine), and a worker's pool grows to ~10 connections; steady state is
+# warm connections.
+WAKE_WARMUP = 20
+
+
 def wake_script(delay_ms: int) -> dict[str, Any]:
     return {
         "rules": [{"match": "^wake", "steps": [
@@ -205,7 +212,7 @@ async def scenario_wake(args: Any, log_dir: Path) -> list[str]:
     async with services(args.database_url, log_dir) as (_base, _key, http):
         async with await psycopg.AsyncConnection.connect(args.database_url,
                                                          autocommit=True) as conn:
-            for i in range(args.waits + 3):  # the first 3 warm up
+            for i in range(args.waits + WAKE_WARMUP):
                 root = await new_session(http, wake_script(200), ["cooperation"])
                 receipt = await post(http, root["id"], "wake")
                 await wait_turn(conn, root["tree_id"], receipt["turn_id"])
@@ -217,7 +224,7 @@ async def scenario_wake(args: Any, log_dir: Path) -> list[str]:
                             AND session_id <> %(s)s AND type = 'turn.completed'))""",
                     {"t": root["tree_id"], "s": root["id"]})
                 (wake,) = await cur.fetchone()
-                if i >= 3:
+                if i >= WAKE_WARMUP:
                     wakes.append(float(wake) * 1000)
     line = (f"wake: {len(wakes)} waits, child turn.completed -> parent run.started: "
             f"p50 {pct(wakes, 0.5):.1f} ms, p99 {pct(wakes, 0.99):.1f} ms, "

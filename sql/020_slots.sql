@@ -10,22 +10,35 @@
 -- connection's life, where a LANGUAGE sql function that cannot be inlined is
 -- parsed and planned again at every call.)
 CREATE FUNCTION yuxi.defer_run_job_v1(p_run uuid) RETURNS bigint
-    LANGUAGE plpgsql
-    SET search_path = procrastinate, pg_catalog
-AS $$
+    LANGUAGE plpgsql AS $$
 DECLARE
     v_queue text := yuxi.run_queue_v1((SELECT tree_id FROM yuxi.runs WHERE id = p_run));
-    v_job bigint;
+    v_job bigint := yuxi.defer_job_v1(v_queue, 'execute_run',
+                                      jsonb_build_object('run_id', p_run), NULL);
 BEGIN
-    v_job := (procrastinate_defer_jobs_v1(ARRAY[ROW(
-        v_queue, 'execute_run', 0, NULL, NULL, jsonb_build_object('run_id', p_run), NULL
-    )::procrastinate_job_to_defer_v1]))[1];
     -- A worker of the queue with a free slot claims the run at once, one
     -- round trip instead of Procrastinate's fetch and then the lease
     -- (claim_run_v1); the job stays the way the run is executed when no
     -- worker claims it (all busy, the notification missed).
     PERFORM pg_notify('yuxi_ready', v_queue || ' ' || p_run || ' ' || v_job);
     RETURN v_job;
+END;
+$$;
+
+-- Defer a Procrastinate job (its id), under Procrastinate's search_path
+-- (its functions and triggers name its tables unqualified). Functions of
+-- ours on the hot path call this one rather than run under that search_path
+-- themselves: a cached plan made under another search_path is made again,
+-- so a function called under both (an event, a slot) was planned again at
+-- every call, each wait's suspend and resume paying for it.
+CREATE FUNCTION yuxi.defer_job_v1(p_queue text, p_task text, p_args jsonb,
+                                  p_at timestamptz) RETURNS bigint
+    LANGUAGE plpgsql
+    SET search_path = procrastinate, pg_catalog
+AS $$
+BEGIN
+    RETURN (procrastinate_defer_jobs_v1(ARRAY[ROW(
+        p_queue, p_task, 0, NULL, NULL, p_args, p_at)::procrastinate_job_to_defer_v1]))[1];
 END;
 $$;
 

@@ -463,9 +463,7 @@ $$;
 -- lost between commit and pickup, or whose worker died before taking the
 -- lease). Returns the runs re-deferred.
 CREATE FUNCTION yuxi.redeliver_ready_runs_v1(p_older_than interval) RETURNS SETOF uuid
-    LANGUAGE plpgsql
-    SET search_path = procrastinate, pg_catalog
-AS $$
+    LANGUAGE plpgsql AS $$
 DECLARE
     v_run uuid;
 BEGIN
@@ -473,7 +471,7 @@ BEGIN
         SELECT r.id FROM yuxi.runs r
          WHERE r.status = 'ready' AND r.created_at < now() - p_older_than
            AND NOT EXISTS (
-               SELECT 1 FROM procrastinate_jobs j
+               SELECT 1 FROM procrastinate.procrastinate_jobs j
                 WHERE j.task_name = 'execute_run' AND j.status IN ('todo', 'doing')
                   AND j.args->>'run_id' = r.id::text
                   AND (j.status = 'todo' OR j.worker_id IS NOT NULL))

@@ -352,9 +352,7 @@ $$;
 -- lock here could deadlock with a waiter suspending on our target).
 CREATE FUNCTION yuxi.resolve_wait_v1(p_wait uuid, p_reason text, p_held_tree uuid)
 RETURNS boolean
-    LANGUAGE plpgsql
-    SET search_path = procrastinate, pg_catalog
-AS $$
+    LANGUAGE plpgsql AS $$
 DECLARE
     v_wait yuxi.waits;
 BEGIN
@@ -369,9 +367,8 @@ BEGIN
     IF v_wait.tree_id = p_held_tree THEN
         PERFORM yuxi.resume_wait_v1(p_wait);
     ELSE
-        PERFORM procrastinate_defer_jobs_v1(ARRAY[ROW(
-            'maintenance', 'resume_wait', 0, NULL, NULL,
-            jsonb_build_object('wait_id', p_wait), NULL)::procrastinate_job_to_defer_v1]);
+        PERFORM yuxi.defer_job_v1('maintenance', 'resume_wait',
+                                  jsonb_build_object('wait_id', p_wait), NULL);
     END IF;
     RETURN true;
 END;
@@ -417,9 +414,7 @@ CREATE FUNCTION yuxi.suspend_run_v1(
     p_run uuid, p_token uuid, p_kind text, p_targets uuid[], p_cursor jsonb,
     p_timeout_seconds double precision
 ) RETURNS text
-    LANGUAGE plpgsql
-    SET search_path = procrastinate, pg_catalog
-AS $$
+    LANGUAGE plpgsql AS $$
 DECLARE
     v_run yuxi.runs;
     v_wait uuid;
@@ -452,9 +447,8 @@ BEGIN
     UPDATE yuxi.runs SET status = 'suspended', finished_at = now() WHERE id = p_run;
     UPDATE yuxi.turns SET status = 'waiting' WHERE id = v_run.turn_id;
     PERFORM yuxi.release_slot_v1(p_run);
-    PERFORM procrastinate_defer_jobs_v1(ARRAY[ROW(
-        'maintenance', 'expire_wait', 0, NULL, NULL,
-        jsonb_build_object('wait_id', v_wait), v_deadline)::procrastinate_job_to_defer_v1]);
+    PERFORM yuxi.defer_job_v1('maintenance', 'expire_wait',
+                              jsonb_build_object('wait_id', v_wait), v_deadline);
     PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
                                'run.suspended',
                                jsonb_build_object('wait_id', v_wait, 'kind', p_kind,
