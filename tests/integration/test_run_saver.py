@@ -370,3 +370,67 @@ async def test_a_turns_first_run_reads_the_archive_with_the_checkpoint(
         assert len(archived) == 1 and archived[0] >= 2 and seen[-1][0] == "loop"
     assert [m["content"] for m in await conversation.messages(checkpoint_pool, session.id)
             if m["role"] == "human"] == ["one" if first == "completed" else "loop", "two"]
+
+
+FAN_OUT_3 = {"model": "replay", "tools": ["cooperation"], "replay": {
+    "rules": [{"match": "^fan", "steps": [
+        {"call": [{"tool": "create_session", "args": {"name": f"c{i}", "task": f"t{i}"}}
+                  for i in range(3)]},
+        {"say": "made {{ results|length }}"}]}],
+    "default": [{"say": "child"}]}}
+
+
+@pytest.mark.parametrize("held", [True, False])
+async def test_recorded_effects_results_wait_for_the_steps_checkpoint(
+        pool, checkpoint_pool, alice, writes, monkeypatch, held):
+    # create_session records its result with its effect: the three calls'
+    # results go out with the step's checkpoint (one write), not one write
+    # each. Negative case (held=False): no tool is replayed, three writes.
+    from yuxi.runtime import cooperation
+
+    if not held:
+        monkeypatch.setattr(cooperation, "RECORDED_EFFECTS", frozenset())
+    scope = alice[1]
+    session = await new_session(pool, scope, FAN_OUT_3)
+    receipt = await sessions.receive_input(pool, scope, session.id, content="fan")
+    (run_id,) = await runs_with_status(pool, "ready")
+    assert await executor(pool, checkpoint_pool, continued_runs=0).execute(
+        run_id) == "completed"
+    assert writes.count("aput_writes") == (0 if held else 3), writes
+    result = await sessions.get_result(pool, scope, receipt.turn_id)
+    assert result.output["text"] == "made 3"
+
+
+async def test_held_effect_results_lost_in_a_crash_are_replayed_not_redone(
+        pool, checkpoint_pool, alice, monkeypatch):
+    # The connection dies as the held results would go out with the step's
+    # checkpoint: the next run executes the calls again, and each finds its
+    # recorded effect (three children, not six).
+    scope = alice[1]
+    session = await new_session(pool, scope, FAN_OUT_3)
+    receipt = await sessions.receive_input(pool, scope, session.id, content="fan")
+    (run_id,) = await runs_with_status(pool, "ready")
+    original = RunSaver._write
+
+    async def cut_off(self, ops):
+        if sum(op.kind == "writes" for op in self._held) >= 3:  # the three results
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return await original(self, ops)
+
+    monkeypatch.setattr(RunSaver, "_write", cut_off)
+    assert await executor(pool, checkpoint_pool, continued_runs=0).execute(
+        run_id) == "infra_fault"
+    monkeypatch.setattr(RunSaver, "_write", original)
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.sessions WHERE parent_id = %s",
+                        (session.id,)) == 3
+    assert run_id in await runs.recover_expired(pool, max_attempts=3)
+    (retry,) = await rows(pool, "SELECT id FROM yuxi.runs WHERE session_id = %s "
+                                "AND status = 'ready'", (session.id,))
+    outcome = await executor(pool, checkpoint_pool, continued_runs=0).execute(retry["id"])
+    assert outcome == "completed", outcome
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.sessions WHERE parent_id = %s",
+                        (session.id,)) == 3
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.effects WHERE turn_id = %s",
+                        (receipt.turn_id,)) == 3
+    result = await sessions.get_result(pool, scope, receipt.turn_id)
+    assert result.output["text"] == "made 3"
