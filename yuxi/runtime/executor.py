@@ -11,7 +11,6 @@ from the last checkpoint.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -660,15 +659,7 @@ class RunExecutor:
         conv = TurnConversation(saver.conn, run, token, run.get(CARRY))
         while True:
             try:
-                try:
-                    answer, delivered = await drive(graph, cfg, run, extra, resume, conv=conv)
-                except Exception:
-                    # Held tool results (RunSaver `replayed`) go out now; if
-                    # they cannot (the lease is lost), a re-executed call
-                    # replays them.
-                    with contextlib.suppress(Exception):
-                        await saver.send_held()
-                    raise
+                answer, delivered = await drive(graph, cfg, run, extra, resume, conv=conv)
             except GraphRecursionError:
                 raise MaxStepsExceeded(
                     f"the turn exceeded max_steps ({int(run['config'].get('max_steps', 25))})"

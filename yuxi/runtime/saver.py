@@ -220,12 +220,6 @@ class RunSaver(AsyncPostgresSaver):
         if ops := [*self._take_held(), *ops]:
             await self._pipeline(ops)
 
-    async def send_held(self) -> None:
-        """Write what is held now: the graph stopped before the checkpoint
-        it was held for (a wait, an error, a cancel), and a cancel's cleanup
-        keeps the results of calls that finished."""
-        await self._write([])
-
     async def during_model_call(self, call: Awaitable[T]) -> T:
         """`call` (a model call); if it is still running after HOLD_SECONDS,
         what is held of the turn's start is written meanwhile."""
@@ -277,14 +271,13 @@ class RunSaver(AsyncPostgresSaver):
     async def aput_writes(self, config, writes, task_id, task_path=""):
         self._writing()
         checkpoint_id = config["configurable"]["checkpoint_id"]
-        # An error's or an interrupt's writes go out at once, after what is
-        # held (the run may end there: nothing would send them later).
-        special = any(w[0] in WRITES_IDX_MAP for w in writes)
-        if not special and ((self._held and checkpoint_id == self._held_id)
-                            or (not self._held and task_path == MODEL_TASK)
-                            or (self._replays(writes)
-                                and checkpoint_id == (self._held_id or checkpoint_id))):
-            query = self.INSERT_CHECKPOINT_WRITES_SQL
+        if (self._held and checkpoint_id == self._held_id) or (
+                not self._held and task_path == MODEL_TASK
+                and not any(w[0] in WRITES_IDX_MAP for w in writes)) or (
+                self._replays(writes) and checkpoint_id == (self._held_id or checkpoint_id)):
+            query = (self.UPSERT_CHECKPOINT_WRITES_SQL
+                     if all(w[0] in WRITES_IDX_MAP for w in writes)
+                     else self.INSERT_CHECKPOINT_WRITES_SQL)
             # The model's answer without tool calls (its writes are its
             # messages only): the step's checkpoint ends the graph.
             self._ending = task_path == MODEL_TASK and all(w[0] == "messages" for w in writes)
