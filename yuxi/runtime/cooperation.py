@@ -352,13 +352,6 @@ async def get_result(ctx: ToolContext, args: dict[str, Any]) -> Any:
     return msgspec.to_builtins(result)
 
 
-# Tools whose effect is recorded with its result in the effect's own
-# transaction (`_effect`, create_session_effect_v1): a call executed again
-# after a crash returns the recorded result and does nothing twice, so the
-# run's checkpointer may hold their results for the step's checkpoint
-# (yuxi.runtime.saver.RunSaver).
-RECORDED_EFFECTS = frozenset({"create_session", "send_message", "submit_input", "cancel_turn"})
-
 for _name, _fn, _waits, _effect_tool in [
     ("create_session", create_session, False, True),
     ("send_message", send_message, False, True),

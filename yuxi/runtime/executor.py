@@ -641,8 +641,7 @@ class RunExecutor:
             # `conn` is marked with this run's lease (by its start or by the
             # completion that handed it over).
             return await self._drive_turn(run, token, visible, box,
-                                          RunSaver(conn, empty=bool(run.get("first_run")),
-                                                   replayed=cooperation.RECORDED_EFFECTS),
+                                          RunSaver(conn, empty=bool(run.get("first_run"))),
                                           go_on, deltas=deltas, in_flight=in_flight)
         finally:
             if box is not None:

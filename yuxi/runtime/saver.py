@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any, NamedTuple, TypeVar
 
 import psycopg
-from langchain_core.messages import ToolMessage
 from langgraph.checkpoint.base import WRITES_IDX_MAP, get_serializable_checkpoint_metadata
 from langgraph.checkpoint.postgres import _ainternal
 from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
@@ -133,19 +132,12 @@ class RunSaver(AsyncPostgresSaver):
     moment earlier: the next run of the turn starts from the checkpoint
     before (a turn whose input is not in the conversation starts again,
     `drive`; a model step not saved is made again). Writes of tool tasks
-    (which may run in parallel and have effects) go out at once, except a
-    `replayed` tool's (its effect is recorded with its result, which a
-    re-executed call returns again): those wait for the step's checkpoint,
-    which supersedes them (a fan-out's 64 `create_session` results: one
-    write, not 64). Error or interrupt writes go out at once, and anything
-    else first sends what is held: the rest is LangGraph's own."""
+    (which may run in parallel and have effects) and error or interrupt
+    writes go out at once, and anything else first sends what is held: the
+    rest is LangGraph's own."""
 
-    def __init__(self, conn: AsyncConnection, *, empty: bool = False,
-                 replayed: frozenset[str] = frozenset()) -> None:
+    def __init__(self, conn: AsyncConnection, *, empty: bool = False) -> None:
         super().__init__(conn)
-        # Tools whose calls' writes may wait for the step's checkpoint
-        # (`_replays`).
-        self.replayed = replayed
         # `empty`: the thread has no checkpoint yet (the first run of a
         # session's first turn, yuxi.leased_run.first_run): reads of its
         # latest checkpoint need no round trip until this saver writes one.
@@ -273,8 +265,7 @@ class RunSaver(AsyncPostgresSaver):
         checkpoint_id = config["configurable"]["checkpoint_id"]
         if (self._held and checkpoint_id == self._held_id) or (
                 not self._held and task_path == MODEL_TASK
-                and not any(w[0] in WRITES_IDX_MAP for w in writes)) or (
-                self._replays(writes) and checkpoint_id == (self._held_id or checkpoint_id)):
+                and not any(w[0] in WRITES_IDX_MAP for w in writes)):
             query = (self.UPSERT_CHECKPOINT_WRITES_SQL
                      if all(w[0] in WRITES_IDX_MAP for w in writes)
                      else self.INSERT_CHECKPOINT_WRITES_SQL)
@@ -288,18 +279,6 @@ class RunSaver(AsyncPostgresSaver):
             return
         await self._write([])  # never write around what is held
         await super().aput_writes(config, writes, task_id, task_path)
-
-    def _replays(self, writes) -> bool:
-        """The writes are a tool call's result that a re-executed call gets
-        again without doing anything twice: a tool whose effect is recorded
-        with its result (yuxi.effects) in the effect's own transaction (and
-        the graph's edge back to the model)."""
-        messages = [m for channel, value in writes if channel == "messages"
-                    for m in (value if isinstance(value, list) else [value])]
-        return bool(messages) and all(
-            isinstance(m, ToolMessage) and m.name in self.replayed for m in messages) and all(
-            channel == "messages" or (channel.startswith("branch:") and value is None)
-            for channel, value in writes)
 
     async def aget_tuple_with(self, config, query: str, params: Any) -> tuple[Any, list[Any]]:
         """The thread's latest checkpoint (as `aget_tuple` finds it) and
