@@ -216,8 +216,7 @@ DECLARE
     v_result jsonb;
     v_child uuid;
 BEGIN
-    PERFORM yuxi.check_lease_v1(p_run, p_token);
-    SELECT * INTO v_run FROM yuxi.runs WHERE id = p_run;
+    v_run := yuxi.fence_run_v1(p_run, p_token);
     v_result := yuxi.find_effect_v1(v_run.turn_id, p_call_id, 'create_session', p_fingerprint);
     IF v_result IS NOT NULL THEN
         RETURN v_result;

@@ -80,7 +80,7 @@ async def test_a_worker_claims_only_its_queues_and_only_with_a_free_slot(
     ex = executor(pool, checkpoint_pool, worker_concurrency=1)
     ex.claims(("runs",))
     try:
-        on_ready = ex.cancels.on_ready
+        on_ready = ex.listener.on_ready
         run, job = uuid.uuid4(), 1
         on_ready("runs@elsewhere %s %d" % (run, job))  # another host's queue
         on_ready("garbage")  # not a payload of ours
@@ -101,12 +101,12 @@ async def test_a_worker_claims_only_its_queues_and_only_with_a_free_slot(
             await asyncio.wait_for(asyncio.gather(*pending), 5)
     finally:
         await ex.close_claims()
-    assert ex.cancels.on_ready is None and not ex._claims
+    assert ex.listener.on_ready is None and not ex._claims
     # The listener claims what is deferred: the turn completes with no job run.
     ex2 = executor(pool, checkpoint_pool)
     ex2.claims(("runs",))
     try:
-        assert await ex2.cancels.ready()
+        assert await ex2.listener.ready()
         session = await new_session(pool, alice[1])
         receipt = await sessions.receive_input(pool, alice[1], session.id, content="q")
         async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as conn:

@@ -161,6 +161,20 @@ async def test_a_slow_model_call_shows_the_turns_input_meanwhile(
         "human", "ai"]
 
 
+async def _recover_and_finish(pool, checkpoint_pool, scope, session, receipt, run_id):
+    """The cut-off run recovered (its lease expired by the fault report) and
+    its turn finished by the new run: "q" answered once."""
+    (retry,) = await runs.recover_expired(pool, max_attempts=3)
+    assert retry == run_id
+    (ready,) = await runs_with_status(pool, "ready")
+    assert await executor(pool, checkpoint_pool).execute(ready) == "completed"
+    assert [(m["role"], m["content"]) for m in
+            await conversation.messages(checkpoint_pool, session.id)] == [
+        ("human", "q"), ("ai", "answer to q")]
+    result = await sessions.get_result(pool, scope, receipt.turn_id)
+    assert (result.status, result.output["text"]) == ("completed", "answer to q")
+
+
 async def test_a_run_cut_off_before_its_held_input_is_written_starts_the_turn_again(
         pool, checkpoint_pool, alice, monkeypatch):
     # A slow model call: the turn's start goes out during it (and is cut off).
@@ -182,15 +196,7 @@ async def test_a_run_cut_off_before_its_held_input_is_written_starts_the_turn_ag
     monkeypatch.setattr(RunSaver, "_write", original)
     # Recovery continues the turn in a new run (its lease was expired by the
     # fault report), which finds no input in the conversation.
-    (retry,) = await runs.recover_expired(pool, max_attempts=3)
-    assert retry == run_id
-    (ready,) = await runs_with_status(pool, "ready")
-    assert await executor(pool, checkpoint_pool).execute(ready) == "completed"
-    assert [(m["role"], m["content"]) for m in
-            await conversation.messages(checkpoint_pool, session.id)] == [
-        ("human", "q"), ("ai", "answer to q")]
-    result = await sessions.get_result(pool, scope, receipt.turn_id)
-    assert (result.status, result.output["text"]) == ("completed", "answer to q")
+    await _recover_and_finish(pool, checkpoint_pool, scope, session, receipt, run_id)
     assert [r["attempt"] for r in await rows(
         pool, "SELECT attempt FROM yuxi.runs WHERE turn_id = %s ORDER BY attempt",
         (receipt.turn_id,))] == [1, 2]
@@ -234,14 +240,7 @@ async def test_the_last_checkpoint_commits_with_the_completion_or_not_at_all(
     assert await conversation.messages(checkpoint_pool, session.id) == []
     assert (await sessions.get_turn(pool, scope, receipt.turn_id)).status == "running"
     monkeypatch.setattr(RunSaver, "write_with", original)
-    (retry,) = await runs.recover_expired(pool, max_attempts=3)
-    (ready,) = await runs_with_status(pool, "ready")
-    assert await executor(pool, checkpoint_pool).execute(ready) == "completed"
-    assert [(m["role"], m["content"]) for m in
-            await conversation.messages(checkpoint_pool, session.id)] == [
-        ("human", "q"), ("ai", "answer to q")]
-    result = await sessions.get_result(pool, scope, receipt.turn_id)
-    assert (result.status, result.output["text"]) == ("completed", "answer to q")
+    await _recover_and_finish(pool, checkpoint_pool, scope, session, receipt, run_id)
 
 
 async def test_a_completion_refused_by_the_fence_writes_no_checkpoint(

@@ -30,7 +30,7 @@ from yuxi import db
 from yuxi.errors import LeaseLost, SandboxElsewhere, YuxiError, is_connection_error
 from yuxi.runtime.calls import CallPolicy
 from yuxi.runtime.graph import build_graph, set_history
-from yuxi.runtime.live import CallCancelled, CancelWatch, DeltaBatcher
+from yuxi.runtime.live import CallCancelled, WorkerListener, DeltaBatcher
 from yuxi.runtime.models import build_chat_model
 from yuxi.runtime.providers import configured_providers
 from yuxi.runtime.saver import RunSaver, checkpoint_connection
@@ -414,8 +414,8 @@ class RunExecutor:
         # run of a real model (the replay model stops at boundaries), and on
         # ready runs when the worker claims them (`claims`).
         # (A LISTEN needs a session: the server itself behind a pooler.)
-        self.cancels = CancelWatch(settings.session_database_url if settings.pooled
-                                   else pool.conninfo)
+        self.listener = WorkerListener(settings.session_database_url if settings.pooled
+                                       else pool.conninfo)
         # The process's runs at once, whether a job or a claim brought them
         # (YUXI_WORKER_CONCURRENCY).
         self.slots = asyncio.Semaphore(settings.worker_concurrency)
@@ -439,8 +439,8 @@ class RunExecutor:
             self._claims.add(task)
             task.add_done_callback(self._claims.discard)
 
-        self.cancels.on_ready = on_ready
-        self.cancels.start()
+        self.listener.on_ready = on_ready
+        self.listener.start()
 
     async def _claimed(self, run_id: uuid.UUID, job_id: int) -> None:
         if self.slots.locked():
@@ -458,7 +458,7 @@ class RunExecutor:
             log.info("run %s (claimed): %s", run_id, outcome)
 
     def stop_claims(self) -> None:
-        self.cancels.on_ready = None
+        self.listener.on_ready = None
 
     async def close_claims(self) -> None:
         """Claim no more, and let the claimed runs in flight finish (as a
@@ -571,13 +571,13 @@ class RunExecutor:
             return await self._run_turn(run, token, conn, go_on, deltas=deltas)
         # A real model call can last minutes. Listening before the intent is
         # read again closes the gap since the lease was taken.
-        await self.cancels.ready()
-        with self.cancels.watch(run["turn_id"]) as watched:
+        await self.listener.ready()
+        with self.listener.watch(run["turn_id"]) as watched:
             if await runs.cancel_requested(self.pool, run["turn_id"]):
                 watched.cancelled = True
             return await self._run_turn(
                 run, token, conn, go_on, deltas=deltas,
-                in_flight=lambda call: self.cancels.run(watched, call))
+                in_flight=lambda call: self.listener.run(watched, call))
 
     async def _report_infra_fault(self, run_id: uuid.UUID, token: uuid.UUID,
                                   exc: BaseException) -> None:

@@ -3,9 +3,10 @@
 - `DeltaBatcher`: text deltas of a streaming model call, NOTIFYed on
   `yuxi_deltas` about every 50 ms in payloads under 8 KB. They touch no
   table, are not numbered and are never replayed (`message.delta` on SSE).
-- `CancelWatch`: the worker process's one LISTEN connection on `yuxi_cancel`
-  (the turns trigger of sql/130_models.sql): a model call of a turn whose
-  cancel commits is aborted at once, with its HTTP request.
+- `WorkerListener`: the worker process's one LISTEN connection, on
+  `yuxi_cancel` (the turns trigger of sql/130_models.sql): a model call of a
+  turn whose cancel commits is aborted at once, with its HTTP request; and on
+  `yuxi_ready` (sql/020_slots.sql): the ready runs the worker claims.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ class _Watched:
         self.cancelled_at: float | None = None
 
 
-class CancelWatch:
+class WorkerListener:
     """One LISTEN connection per worker process, on `yuxi_cancel`, and on
     `yuxi_ready` when `on_ready` is set (the worker's claims) before it
     starts (`start`, else the first watched turn starts it)."""

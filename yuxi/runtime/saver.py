@@ -281,18 +281,15 @@ class RunSaver(AsyncPostgresSaver):
         await super().aput_writes(config, writes, task_id, task_path)
 
     async def aget_tuple_with(self, config, query: str, params: Any) -> tuple[Any, list[Any]]:
-        """The thread's latest checkpoint (as `aget_tuple` finds it) and
-        `query`'s rows, in one round trip; the checkpoint is kept for
-        LangGraph's next read of it. (A turn's first run reads the
-        checkpoint an earlier turn left and the archive of the conversation
-        together: one round trip where there were two.)"""
-        c = config["configurable"]
+        """The thread's latest checkpoint (as `aget_tuple` finds it; the
+        config names no checkpoint) and `query`'s rows, in one round trip;
+        the checkpoint is kept for LangGraph's next read of it. (A turn's
+        first run reads the checkpoint an earlier turn left and the archive
+        of the conversation together: one round trip where there were two.)"""
         if self._empty and not self._held:
             return None, []  # nothing ran in the thread: nothing to read either
-        if self._held or c.get("checkpoint_id"):
-            found = await self.aget_tuple(config)
-            async with self.lock, _ainternal.get_connection(self.conn) as conn:
-                return found, await (await conn.execute(query, params)).fetchall()
+        await self._write([])  # never read around what is held
+        c = config["configurable"]
         key = (c.get("thread_id"), c.get("checkpoint_ns", ""), None)
         async with self.lock, _ainternal.get_connection(self.conn) as conn:
             async with conn.pipeline(), conn.cursor(binary=True, row_factory=dict_row) as latest, \
