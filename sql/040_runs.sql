@@ -182,6 +182,24 @@ BEGIN
 END;
 $$;
 
+-- Events of one type reported together by the executing worker (the
+-- `tool.finished` of a step's parallel tool calls: yuxi.runtime.group_commit),
+-- fenced by its lease, in one statement. Duplicates are skipped.
+CREATE FUNCTION yuxi.emit_run_events_v1(
+    p_run uuid, p_token uuid, p_type text, p_data jsonb[], p_dedupe_keys text[]
+) RETURNS void
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_run yuxi.runs;
+BEGIN
+    v_run := yuxi.fence_run_v1(p_run, p_token);
+    FOR i IN 1 .. coalesce(array_length(p_data, 1), 0) LOOP
+        PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
+                                   p_type, p_data[i], p_dedupe_keys[i]);
+    END LOOP;
+END;
+$$;
+
 -- End a turn whose last run is p_run (already ended by the caller): the turn
 -- and its input take the final status, the run becomes the turn's result, the
 -- slot goes to the tree FIFO (then to a run its turn's end wakes) and the
@@ -215,14 +233,14 @@ BEGIN
 END;
 $$;
 
--- A tool call begins (a tool task of the graph): unless a cancel intent was
--- committed for the run's turn (then nothing is recorded and false comes
--- back: the run stops before the call), its `tool.started` event is
--- recorded, fenced by the lease. The cancel check and the event in one
--- statement: each call of a fan-out takes a connection once before its
--- effect, not twice (issue 15).
-CREATE FUNCTION yuxi.start_tool_call_v1(p_run uuid, p_token uuid, p_data jsonb,
-                                        p_dedupe_key text) RETURNS boolean
+-- Tool calls begin (the tool tasks of a model step, batched by the worker:
+-- yuxi.runtime.group_commit): unless a cancel intent was committed for the
+-- run's turn (then nothing is recorded and false comes back: the run stops
+-- before the calls), their `tool.started` events are recorded, fenced by the
+-- lease. The cancel check and the events in one statement: a fan-out's calls
+-- take the tree's lock once or twice in all, not once each (issue 15).
+CREATE FUNCTION yuxi.start_tool_calls_v1(p_run uuid, p_token uuid, p_data jsonb[],
+                                         p_dedupe_keys text[]) RETURNS boolean
     LANGUAGE plpgsql AS $$
 DECLARE
     v_run yuxi.runs;
@@ -232,8 +250,10 @@ BEGIN
         RETURN false;
     END IF;
     v_run := yuxi.fence_run_v1(p_run, p_token);
-    PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
-                               'tool.started', p_data, p_dedupe_key);
+    FOR i IN 1 .. coalesce(array_length(p_data, 1), 0) LOOP
+        PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
+                                   'tool.started', p_data[i], p_dedupe_keys[i]);
+    END LOOP;
     RETURN true;
 END;
 $$;

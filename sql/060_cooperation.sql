@@ -199,36 +199,46 @@ BEGIN
 END;
 $$;
 
--- The create_session tool's whole effect in one statement (issue 15): the
--- lease check, the recorded effect of (turn, call) if any, else the child,
--- its first input and the effect record. A fan-out makes many of these at
--- once and each takes the tree lock: as one statement, the lock is held for
--- the statement and its commit only, never across the worker's round trips
--- (six of them when the steps were separate statements, each one waiting
--- behind the worker's other tool calls). Returns the tool's result.
-CREATE FUNCTION yuxi.create_session_effect_v1(
-    p_run uuid, p_token uuid, p_call_id text, p_fingerprint text, p_name text, p_title text,
-    p_agent uuid, p_config jsonb, p_task text
-) RETURNS jsonb
+-- The create_session tool's whole effect, for one or more calls of a run's
+-- step, in one statement (issue 15): the lease check, then per call the
+-- recorded effect of (turn, call) if any, else the child, its first input
+-- and the effect record. A fan-out's calls go together (the worker batches
+-- them: yuxi.runtime.group_commit), so the tree lock is taken once per
+-- batch, never across the worker's round trips, and a child's claim waits
+-- for one batch at most instead of queueing behind each call. A call that
+-- fails fails its batch: the worker then makes each call on its own, so
+-- that only that call's tool result is the error. `p_calls`: an array of
+-- {call_id, fingerprint, name, title, task}; `p_config`: the children's
+-- config (the run's own). Returns the tool results, in order.
+CREATE FUNCTION yuxi.create_session_effects_v1(p_run uuid, p_token uuid, p_config jsonb,
+                                               p_calls jsonb) RETURNS jsonb
     LANGUAGE plpgsql AS $$
 DECLARE
     v_run yuxi.runs;
+    v_call jsonb;
     v_result jsonb;
     v_child uuid;
+    v_results jsonb := '[]';
 BEGIN
     v_run := yuxi.fence_run_v1(p_run, p_token);
-    v_result := yuxi.find_effect_v1(v_run.turn_id, p_call_id, 'create_session', p_fingerprint);
-    IF v_result IS NOT NULL THEN
-        RETURN v_result;
-    END IF;
-    v_child := yuxi.create_child_session_v1(v_run.session_id, p_run, p_name, p_title, p_agent,
-                                            p_config, p_task);
-    SELECT jsonb_build_object('session_id', v_child, 'name', p_name, 'path', s.path,
-                              'input_id', i.id, 'turn_id', i.turn_id)
-      INTO v_result
-      FROM yuxi.inputs i JOIN yuxi.sessions s ON s.id = i.session_id
-     WHERE i.session_id = v_child ORDER BY i.seq LIMIT 1;
-    RETURN yuxi.record_effect_v1(p_run, p_call_id, 'create_session', p_fingerprint, v_result);
+    FOR v_call IN SELECT value FROM jsonb_array_elements(p_calls) LOOP
+        v_result := yuxi.find_effect_v1(v_run.turn_id, v_call->>'call_id', 'create_session',
+                                        v_call->>'fingerprint');
+        IF v_result IS NULL THEN
+            v_child := yuxi.create_child_session_v1(v_run.session_id, p_run, v_call->>'name',
+                                                    v_call->>'title', NULL, p_config,
+                                                    v_call->>'task');
+            SELECT jsonb_build_object('session_id', v_child, 'name', v_call->>'name',
+                                      'path', s.path, 'input_id', i.id, 'turn_id', i.turn_id)
+              INTO v_result
+              FROM yuxi.inputs i JOIN yuxi.sessions s ON s.id = i.session_id
+             WHERE i.session_id = v_child ORDER BY i.seq LIMIT 1;
+            v_result := yuxi.record_effect_v1(p_run, v_call->>'call_id', 'create_session',
+                                              v_call->>'fingerprint', v_result);
+        END IF;
+        v_results := v_results || jsonb_build_array(v_result);
+    END LOOP;
+    RETURN v_results;
 END;
 $$;
 

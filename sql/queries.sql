@@ -157,8 +157,13 @@ SELECT yuxi.heartbeat_run_v1(%(run_id)s, %(token)s, %(lease_seconds)s) AS held;
 -- name: check_lease
 SELECT yuxi.check_lease_v1(%(run_id)s, %(token)s);
 
--- name: start_tool_call
-SELECT yuxi.start_tool_call_v1(%(run_id)s, %(token)s, %(data)s, %(dedupe_key)s) AS started;
+-- name: start_tool_calls
+SELECT yuxi.start_tool_calls_v1(%(run_id)s, %(token)s, %(data)s::jsonb[],
+                                %(dedupe_keys)s) AS started;
+
+-- name: emit_run_events
+SELECT yuxi.emit_run_events_v1(%(run_id)s, %(token)s, %(type)s, %(data)s::jsonb[],
+                               %(dedupe_keys)s);
 
 -- name: emit_run_event
 SELECT yuxi.emit_run_event_v1(%(run_id)s, %(token)s, %(type)s, %(data)s, %(dedupe_key)s) AS seq;
@@ -246,10 +251,8 @@ SELECT id, tree_id, parent_id, name, path, title FROM yuxi.resolve_session_v1(%(
 SELECT yuxi.create_child_session_v1(%(parent)s, %(run_id)s, %(name)s, %(title)s, %(agent_id)s,
                                     %(config)s, %(task)s) AS id;
 
--- name: create_session_effect
-SELECT yuxi.create_session_effect_v1(%(run_id)s, %(token)s, %(call_id)s, %(fingerprint)s,
-                                     %(name)s, %(title)s, %(agent_id)s, %(config)s,
-                                     %(task)s) AS result;
+-- name: create_session_effects
+SELECT yuxi.create_session_effects_v1(%(run_id)s, %(token)s, %(config)s, %(calls)s) AS results;
 
 -- name: first_input_of
 SELECT i.id AS input_id, i.turn_id, s.path FROM yuxi.inputs i JOIN yuxi.sessions s ON s.id = i.session_id

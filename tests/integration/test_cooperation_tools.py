@@ -3,13 +3,15 @@ messages, scope. (test_cooperation.py drives them through the model.)"""
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
+import json
 import uuid
 
 import pytest
 
 from tests.integration.helpers import drain, new_session, rows, runs_with_status, scalar, say_agent
-from yuxi.errors import Conflict
+from yuxi.errors import Conflict, InvalidRequest
 from yuxi.runtime import cooperation
 from yuxi.runtime.tools import ToolContext, ToolError, ToolOutput, call_tool, BUILTIN_TOOLS
 from yuxi.services import conversation, runs, sessions
@@ -253,3 +255,55 @@ async def test_list_sessions_pages_the_callers_tree_with_free_slots(pool, checkp
     assert kids["sessions"][0]["queue"] == {"length": 0, "paused": False}
     with pytest.raises(ToolError):
         await cooperation.list_sessions(ctx(), {"scope": "everything"})
+
+
+async def test_a_step_s_creates_go_in_one_statement_each_with_its_own_outcome(
+        pool, alice, monkeypatch):
+    # A fan-out's create_session calls are batched (cooperation.create_batch):
+    # one statement for the step's calls; a call that fails its batch (a name
+    # already taken) gets its error alone, the others their children.
+    scope = alice[1]
+    run, token, ctx = await running(pool, scope)
+    statements: list[int] = []
+    original = cooperation.create_sessions
+
+    async def counted(pool_, run_id, token_, config, calls):
+        statements.append(len(calls))
+        return await original(pool_, run_id, token_, config, calls)
+
+    monkeypatch.setattr(cooperation, "create_sessions", counted)
+    creates = cooperation.create_batch(pool, run["id"], token, run["config"])
+    names = [f"kid{i}" for i in range(8)]
+    outs = await asyncio.gather(*(
+        call_tool(BUILTIN_TOOLS, ctx(f"call-{i}", creates=creates), "create_session",
+                  {"name": name, "task": "t"}) for i, name in enumerate(names)))
+    assert statements == [8]
+    assert [json.loads(o)["name"] for o, _ in outs] == names
+    statements.clear()
+    # kid0 is taken: that call fails, the batch is made again call by call.
+    again = ["new1", "kid0", "new2"]
+    outs = await asyncio.gather(*(
+        call_tool(BUILTIN_TOOLS, ctx(f"again-{i}", creates=creates), "create_session",
+                  {"name": name, "task": "t"}) for i, name in enumerate(again)))
+    assert statements == [3, 1, 1, 1]
+    results = [json.loads(o) for o, _ in outs]
+    assert results[0]["name"] == "new1" and results[2]["name"] == "new2"
+    assert results[1]["error"]["code"] == "invalid_request", results[1]
+    assert sorted(r["name"] for r in await rows(
+        pool, "SELECT name FROM yuxi.sessions WHERE parent_id = %s",
+        (run["session_id"],))) == sorted([*names, "new1", "new2"])
+
+
+async def test_a_batch_of_creates_is_one_transaction(pool, alice):
+    # Why a failed batch is made again call by call: the statement commits
+    # all of its calls or none (here none, for the name already taken).
+    scope = alice[1]
+    run, token, _ctx = await running(pool, scope)
+    await cooperation.create_sessions(pool, run["id"], token, run["config"], [
+        {"call_id": "c0", "fingerprint": "f0", "name": "kid", "title": None, "task": "t"}])
+    with pytest.raises(InvalidRequest):
+        await cooperation.create_sessions(pool, run["id"], token, run["config"], [
+            {"call_id": f"c{i}", "fingerprint": f"f{i}", "name": name, "title": None,
+             "task": "t"} for i, name in ((1, "other"), (2, "kid"))])
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.sessions WHERE parent_id = %s",
+                        (run["session_id"],)) == 1

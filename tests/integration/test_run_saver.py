@@ -45,6 +45,13 @@ def writes(monkeypatch):
         return await original_with(self, query, params)
 
     monkeypatch.setattr(RunSaver, "write_with", counted_with)
+    original_tasks = RunSaver._flush_task_writes
+
+    async def counted_tasks(self, ops):
+        made.append(f"{len(ops)} of tasks")
+        return await original_tasks(self, ops)
+
+    monkeypatch.setattr(RunSaver, "_flush_task_writes", counted_tasks)
     for name in ("aput", "aput_writes"):
         def wrap(method, name=name):
             async def langgraphs(self, *args, **kwargs):
@@ -214,10 +221,11 @@ async def test_tool_writes_go_out_at_once(pool, checkpoint_pool, alice, writes):
     await sessions.receive_input(pool, scope, session.id, content="q")
     (run_id,) = await runs_with_status(pool, "ready")
     assert await executor(pool, checkpoint_pool).execute(run_id) == "completed"
-    # input + step 0 + model writes + step 1 | echo a | echo b | step 2
-    # (LangGraph's) | model writes + step 3 with the completion.
-    assert [w if isinstance(w, str) and " with " not in w else "held" for w in writes] == [
-        "held", "aput_writes", "aput_writes", "aput", "held"], writes
+    # input + step 0 + model writes + step 1 (8 statements) | the writes of
+    # echo a and echo b, which ended together: one pipeline of 2 (a
+    # fan-out's results do not take a transaction each), before step 2
+    # (LangGraph's aput) | model writes + step 3 with the completion.
+    assert writes == [8, "2 of tasks", 2, "aput", "3 with completion"], writes
 
 
 async def test_the_last_checkpoint_commits_with_the_completion_or_not_at_all(

@@ -1,5 +1,5 @@
 """The check before each tool call (issue 15: one statement with the call's
-`tool.started`, yuxi.start_tool_call_v1): a committed cancel intent stops
+`tool.started`, yuxi.start_tool_calls_v1): a committed cancel intent stops
 the run before the call and records nothing; otherwise the event is
 recorded, fenced by the lease."""
 
@@ -50,7 +50,7 @@ async def test_a_cancel_intent_stops_the_run_before_the_call(pool, alice):
 
 async def test_without_the_check_a_cancelled_turn_would_start_the_call(pool, alice):
     # Negative: the cancel check removed.
-    await rewrite_function(pool, "yuxi.start_tool_call_v1",
+    await rewrite_function(pool, "yuxi.start_tool_calls_v1",
                            "AND t.cancel_requested_at IS NOT NULL", "AND false")
     session, receipt, reporter = await _running(pool, alice[1])
     await scalar(pool, "UPDATE yuxi.turns SET cancel_requested_at = now() WHERE id = %s "

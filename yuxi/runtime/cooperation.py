@@ -25,6 +25,8 @@ from langgraph.types import interrupt
 from psycopg.types.json import Jsonb
 
 from yuxi import db
+from yuxi.errors import LeaseLost, is_connection_error
+from yuxi.runtime.group_commit import GroupCommit
 from yuxi.runtime.tools import Tool, ToolContext, ToolError, ToolOutput, register
 from yuxi.services import accounts, sessions
 
@@ -161,14 +163,13 @@ async def create_session(ctx: ToolContext, args: dict[str, Any]) -> Any:
     request = {"name": name, "task": task, "title": title, "agent": agent_ref}
     if agent_ref is None:
         # The usual case (the dispatching run's config): the whole effect is
-        # one statement, so a fan-out's calls hold the tree lock briefly.
-        async with ctx.pool.connection() as conn:
-            row = await db.fetch_one(conn, "create_session_effect", {
-                "run_id": ctx.run_id, "token": ctx.token, "call_id": ctx.call_id,
-                "fingerprint": fingerprint("create_session", request), "name": name,
-                "title": title, "agent_id": None, "config": Jsonb(ctx.run["config"]),
-                "task": task})
-        return row["result"]
+        # one statement, together with the step's other calls (a fan-out).
+        call = {"call_id": ctx.call_id, "fingerprint": fingerprint("create_session", request),
+                "name": name, "title": title, "task": task}
+        if ctx.creates is not None:
+            return await ctx.creates.submit(call)
+        return (await create_sessions(ctx.pool, ctx.run_id, ctx.token, ctx.run["config"],
+                                      [call]))[0]
 
     async def perform(conn) -> dict[str, Any]:
         agent_id, config = await _child_config(ctx, agent_ref)
@@ -181,6 +182,44 @@ async def create_session(ctx: ToolContext, args: dict[str, Any]) -> Any:
                 "turn_id": str(first["turn_id"]) if first["turn_id"] else None}
 
     return await _effect(ctx, "create_session", request, perform)
+
+
+async def create_sessions(pool, run_id: uuid.UUID, token: uuid.UUID, config: dict[str, Any],
+                          calls: list[dict[str, Any]]) -> list[Any]:
+    """create_session effects of one run with its own config, in one
+    statement (create_session_effects_v1); their tool results, in order."""
+    async with pool.connection() as conn:
+        row = await db.fetch_one(conn, "create_session_effects", {
+            "run_id": run_id, "token": token, "config": Jsonb(config), "calls": Jsonb(calls)})
+    return row["results"]
+
+
+def create_batch(pool, run_id: uuid.UUID, token: uuid.UUID,
+                 config: dict[str, Any]) -> GroupCommit:
+    """The create_session calls of a run's steps, made in batches (a
+    fan-out's 64 calls in a few statements). A batch that fails is made again
+    call by call, so that an error (a name taken, a call id reused with
+    another request) is the result of its own call only."""
+    async def flush(calls: list[dict[str, Any]]) -> list[Any]:
+        try:
+            return await create_sessions(pool, run_id, token, config, calls)
+        except Exception as exc:
+            if len(calls) == 1 or isinstance(exc, LeaseLost) or is_connection_error(exc):
+                raise
+        outcomes: list[Any] = []
+        for call in calls:
+            try:
+                outcomes.append((await create_sessions(pool, run_id, token, config, [call]))[0])
+            except Exception as exc:  # that call's own error
+                outcomes.append(exc)
+        return outcomes
+
+    return GroupCommit(flush, limit=CREATE_BATCH)
+
+
+# The most create_session calls in one statement: a batch holds the tree's
+# lock (~1 ms a call), and a child's claim waits for it.
+CREATE_BATCH = 16
 
 
 async def send_message(ctx: ToolContext, args: dict[str, Any]) -> Any:

@@ -30,6 +30,7 @@ from yuxi import db
 from yuxi.errors import LeaseLost, SandboxElsewhere, YuxiError, is_connection_error
 from yuxi.runtime.calls import CallPolicy
 from yuxi.runtime.graph import build_graph, set_history
+from yuxi.runtime.group_commit import GroupCommit
 from yuxi.runtime.live import CallCancelled, WorkerListener, DeltaBatcher
 from yuxi.runtime.models import build_chat_model
 from yuxi.runtime.providers import configured_providers
@@ -64,6 +65,8 @@ class EventReporter:
                  turn_id: uuid.UUID, deltas: DeltaBatcher | None = None) -> None:
         self.pool, self.run_id, self.token, self.turn_id = pool, run_id, token, turn_id
         self.deltas = deltas
+        self._starts = GroupCommit(self._start_calls)
+        self._finishes = GroupCommit(self._finish_calls)
 
     async def _emit(self, type_: str, data: dict[str, Any], key: str) -> None:
         await runs.emit(self.pool, self.run_id, self.token, type_, data, f"{self.turn_id}:{key}")
@@ -89,21 +92,32 @@ class EventReporter:
 
     async def tool_started(self, call: dict[str, Any]) -> None:
         """The call's `tool.started`, or TurnCancelled when a cancel intent
-        was committed (checked before each tool call, in the same statement)."""
-        async with self.pool.connection() as conn:
-            with db.domain_errors():
-                row = await db.fetch_one(conn, "start_tool_call", {
-                    "run_id": self.run_id, "token": self.token,
-                    "data": Jsonb({"call_id": call["id"], "tool": call["name"],
-                                   "args": call.get("args") or {}}),
-                    "dedupe_key": f"{self.turn_id}:tool.started:{call['id']}"})
-        if not row["started"]:
+        was committed (checked before each tool call, in the same statement;
+        a step's parallel calls go in one: yuxi.runtime.group_commit)."""
+        if not await self._starts.submit(call):
             raise TurnCancelled(f"turn {self.turn_id} was cancelled")
 
     async def tool_finished(self, call: dict[str, Any], result: str) -> None:
-        await self._emit("tool.finished", {"call_id": call["id"], "tool": call["name"],
-                                           "result": result},
-                         f"tool.finished:{call['id']}")
+        await self._finishes.submit((call, result))
+
+    async def _start_calls(self, calls: list[dict[str, Any]]) -> list[bool]:
+        async with self.pool.connection() as conn:
+            row = await db.fetch_one(conn, "start_tool_calls", {
+                "run_id": self.run_id, "token": self.token,
+                "data": [Jsonb({"call_id": c["id"], "tool": c["name"],
+                                "args": c.get("args") or {}}) for c in calls],
+                "dedupe_keys": [f"{self.turn_id}:tool.started:{c['id']}" for c in calls]})
+        return [row["started"]] * len(calls)
+
+    async def _finish_calls(self, finished: list[tuple[dict[str, Any], str]]) -> list[None]:
+        async with self.pool.connection() as conn:
+            await db.execute(conn, "emit_run_events", {
+                "run_id": self.run_id, "token": self.token, "type": "tool.finished",
+                "data": [Jsonb({"call_id": c["id"], "tool": c["name"], "result": result})
+                         for c, result in finished],
+                "dedupe_keys": [f"{self.turn_id}:tool.finished:{c['id']}"
+                                for c, _ in finished]})
+        return [None] * len(finished)
 
 
 def steer_message(input_id: uuid.UUID | str, content: str) -> HumanMessage:
@@ -721,6 +735,7 @@ class RunExecutor:
             preamble.append(SystemMessage(content=config["system_prompt"], id="system"))
         tools = available_tools(selected_tools(config), list(visible))
         reporter = EventReporter(self.pool, run["id"], token, run["turn_id"], deltas)
+        creates = cooperation.create_batch(self.pool, run["id"], token, run["config"])
         graph = build_graph(model, tools, reporter, preamble=preamble,
                             checkpointer=saver,
                             inbox=SteerInbox(self.pool, run, token, first_checked=not run.get(
@@ -729,7 +744,8 @@ class RunExecutor:
                                 pool=self.pool, run_id=run["id"], token=token,
                                 call_id=call_id, visible=tuple(visible), run=run,
                                 cursors=cursors, waits_in_step=waits_in_step,
-                                default_model=self.settings.default_model, sandbox=box),
+                                default_model=self.settings.default_model, sandbox=box,
+                                creates=creates),
                             policy=policy, in_flight=_calling(saver, in_flight))
         cfg = {"configurable": {"thread_id": str(run["session_id"])},
                "recursion_limit": 2 * int(config.get("max_steps", 25)) + 2}

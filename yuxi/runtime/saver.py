@@ -28,6 +28,8 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
+from yuxi.runtime.group_commit import GroupCommit
+
 log = logging.getLogger(__name__)
 
 MARK = "SELECT yuxi.mark_checkpoint_connection_v1(%s, %s)"
@@ -152,6 +154,7 @@ class RunSaver(AsyncPostgresSaver):
         self._held_id: str | None = None
         self._ending = False  # the held writes are a final answer's
         self._starting = False  # the held writes are the turn's start
+        self._task_writes = GroupCommit(self._flush_task_writes)
 
     def _checkpoint_ops(self, config, checkpoint, metadata, new_versions):
         # The statements of AsyncPostgresSaver.aput (langgraph-checkpoint-postgres 3.x).
@@ -232,10 +235,12 @@ class RunSaver(AsyncPostgresSaver):
     async def write_with(self, query: str, params: Any) -> Any:
         """What is held, then `query`, in one pipeline: they commit together
         (or not at all). Returns the query's first row."""
+        await self._task_writes.settled()
         self._writing()
         return await self._pipeline(self._take_held(), query, params)
 
     async def aput(self, config, checkpoint, metadata, new_versions):
+        await self._task_writes.settled()  # a step's checkpoint after its tasks' writes
         self._writing()
         if (metadata or {}).get("source") == "input" and not self._held:
             self._held = self._checkpoint_ops(config, checkpoint, metadata, new_versions)
@@ -266,19 +271,30 @@ class RunSaver(AsyncPostgresSaver):
         if (self._held and checkpoint_id == self._held_id) or (
                 not self._held and task_path == MODEL_TASK
                 and not any(w[0] in WRITES_IDX_MAP for w in writes)):
-            query = (self.UPSERT_CHECKPOINT_WRITES_SQL
-                     if all(w[0] in WRITES_IDX_MAP for w in writes)
-                     else self.INSERT_CHECKPOINT_WRITES_SQL)
             # The model's answer without tool calls (its writes are its
             # messages only): the step's checkpoint ends the graph.
             self._ending = task_path == MODEL_TASK and all(w[0] == "messages" for w in writes)
-            self._held.append(Op(query, self._dump_writes(
-                config["configurable"]["thread_id"], config["configurable"]["checkpoint_ns"],
-                checkpoint_id, task_id, task_path, writes), True, "writes", checkpoint_id))
+            self._held.append(self._writes_op(config, writes, task_id, task_path))
             self._held_id = checkpoint_id
             return
-        await self._write([])  # never write around what is held
-        await super().aput_writes(config, writes, task_id, task_path)
+        # A tool task's writes go out at once, together with those of the
+        # step's other tasks finishing meanwhile (one pipeline for a
+        # fan-out's results, not one transaction each), after what is held.
+        await self._task_writes.submit(self._writes_op(config, writes, task_id, task_path))
+
+    def _writes_op(self, config, writes, task_id, task_path) -> Op:
+        # The statement of AsyncPostgresSaver.aput_writes.
+        query = (self.UPSERT_CHECKPOINT_WRITES_SQL
+                 if all(w[0] in WRITES_IDX_MAP for w in writes)
+                 else self.INSERT_CHECKPOINT_WRITES_SQL)
+        checkpoint_id = config["configurable"]["checkpoint_id"]
+        return Op(query, self._dump_writes(
+            config["configurable"]["thread_id"], config["configurable"]["checkpoint_ns"],
+            checkpoint_id, task_id, task_path, writes), True, "writes", checkpoint_id)
+
+    async def _flush_task_writes(self, ops: list[Op]) -> list[None]:
+        await self._write(ops)
+        return [None] * len(ops)
 
     async def aget_tuple_with(self, config, query: str, params: Any) -> tuple[Any, list[Any]]:
         """The thread's latest checkpoint (as `aget_tuple` finds it; the
@@ -288,7 +304,8 @@ class RunSaver(AsyncPostgresSaver):
         of the conversation together: one round trip where there were two.)"""
         if self._empty and not self._held:
             return None, []  # nothing ran in the thread: nothing to read either
-        await self._write([])  # never read around what is held
+        await self._task_writes.settled()
+        await self._write([])  # never read around what is held or in flight
         c = config["configurable"]
         key = (c.get("thread_id"), c.get("checkpoint_ns", ""), None)
         async with self.lock, _ainternal.get_connection(self.conn) as conn:
@@ -315,7 +332,8 @@ class RunSaver(AsyncPostgresSaver):
         if self._reread is not None and self._reread[0] == key and not self._held:
             found, self._reread = self._reread[1], None  # once: the first reader only looked
             return found
-        await self._write([])  # never read around what is held
+        await self._task_writes.settled()
+        await self._write([])  # never read around what is held or in flight
         found = await super().aget_tuple(config)
         self._reread = (key, found)
         return found

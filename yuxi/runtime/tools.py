@@ -41,6 +41,8 @@ class ToolContext(msgspec.Struct, frozen=True):
     # The tree's workdir and sandbox (yuxi.services.sandbox.Sandbox), when
     # the run has sandbox tools.
     sandbox: Any = None
+    # The run's batched create_session calls (yuxi.runtime.cooperation.create_batch).
+    creates: Any = None
 
     def visible_resource(self, kind: str, name: str) -> uuid.UUID:
         for r in self.visible:
