@@ -183,19 +183,22 @@ END;
 $$;
 
 -- Events of one type reported together by the executing worker (the
--- `tool.finished` of a step's parallel tool calls: yuxi.runtime.group_commit),
--- fenced by its lease, in one statement. Duplicates are skipped.
-CREATE FUNCTION yuxi.emit_run_events_v1(
-    p_run uuid, p_token uuid, p_type text, p_data jsonb[], p_dedupe_keys text[]
-) RETURNS void
+-- `tool.started` or `tool.finished` of a step's parallel tool calls:
+-- yuxi.runtime.group_commit), fenced by its lease, in one statement.
+-- `p_events`: a JSON array of {data, dedupe_key} (one jsonb parameter, not
+-- arrays: a text array of JSON costs the worker a regex escape per element).
+-- Duplicates are skipped.
+CREATE FUNCTION yuxi.emit_run_events_v1(p_run uuid, p_token uuid, p_type text, p_events jsonb)
+RETURNS void
     LANGUAGE plpgsql AS $$
 DECLARE
     v_run yuxi.runs;
+    v_event jsonb;
 BEGIN
     v_run := yuxi.fence_run_v1(p_run, p_token);
-    FOR i IN 1 .. coalesce(array_length(p_data, 1), 0) LOOP
+    FOR v_event IN SELECT value FROM jsonb_array_elements(p_events) LOOP
         PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
-                                   p_type, p_data[i], p_dedupe_keys[i]);
+                                   p_type, v_event->'data', v_event->>'dedupe_key');
     END LOOP;
 END;
 $$;
@@ -239,21 +242,15 @@ $$;
 -- before the calls), their `tool.started` events are recorded, fenced by the
 -- lease. The cancel check and the events in one statement: a fan-out's calls
 -- take the tree's lock once or twice in all, not once each (issue 15).
-CREATE FUNCTION yuxi.start_tool_calls_v1(p_run uuid, p_token uuid, p_data jsonb[],
-                                         p_dedupe_keys text[]) RETURNS boolean
+CREATE FUNCTION yuxi.start_tool_calls_v1(p_run uuid, p_token uuid, p_events jsonb)
+RETURNS boolean
     LANGUAGE plpgsql AS $$
-DECLARE
-    v_run yuxi.runs;
 BEGIN
     IF EXISTS (SELECT 1 FROM yuxi.runs r JOIN yuxi.turns t ON t.id = r.turn_id
                WHERE r.id = p_run AND t.cancel_requested_at IS NOT NULL) THEN
         RETURN false;
     END IF;
-    v_run := yuxi.fence_run_v1(p_run, p_token);
-    FOR i IN 1 .. coalesce(array_length(p_data, 1), 0) LOOP
-        PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
-                                   'tool.started', p_data[i], p_dedupe_keys[i]);
-    END LOOP;
+    PERFORM yuxi.emit_run_events_v1(p_run, p_token, 'tool.started', p_events);
     RETURN true;
 END;
 $$;

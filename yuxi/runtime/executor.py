@@ -103,20 +103,19 @@ class EventReporter:
     async def _start_calls(self, calls: list[dict[str, Any]]) -> list[bool]:
         async with self.pool.connection() as conn:
             row = await db.fetch_one(conn, "start_tool_calls", {
-                "run_id": self.run_id, "token": self.token,
-                "data": [Jsonb({"call_id": c["id"], "tool": c["name"],
-                                "args": c.get("args") or {}}) for c in calls],
-                "dedupe_keys": [f"{self.turn_id}:tool.started:{c['id']}" for c in calls]})
+                "run_id": self.run_id, "token": self.token, "events": Jsonb([
+                    {"data": {"call_id": c["id"], "tool": c["name"], "args": c.get("args") or {}},
+                     "dedupe_key": f"{self.turn_id}:tool.started:{c['id']}"} for c in calls])})
         return [row["started"]] * len(calls)
 
     async def _finish_calls(self, finished: list[tuple[dict[str, Any], str]]) -> list[None]:
         async with self.pool.connection() as conn:
             await db.execute(conn, "emit_run_events", {
                 "run_id": self.run_id, "token": self.token, "type": "tool.finished",
-                "data": [Jsonb({"call_id": c["id"], "tool": c["name"], "result": result})
-                         for c, result in finished],
-                "dedupe_keys": [f"{self.turn_id}:tool.finished:{c['id']}"
-                                for c, _ in finished]})
+                "events": Jsonb([
+                    {"data": {"call_id": c["id"], "tool": c["name"], "result": result},
+                     "dedupe_key": f"{self.turn_id}:tool.finished:{c['id']}"}
+                    for c, result in finished])})
         return [None] * len(finished)
 
 

@@ -237,6 +237,8 @@ def _render(value: Any, variables: dict[str, Any], path: str, native: bool = Fal
     """Render every string inside ``value`` (recursing into dicts and lists);
     with `native`, a whole-expression string keeps its value's type."""
     if isinstance(value, str):
+        if "{" not in value:
+            return value  # no markup: renders as itself (a fan-out's 128 names and tasks)
         try:
             if native and (whole := _WHOLE_EXPRESSION.match(value)):
                 result = _compile_expression(whole["expr"])(**variables)
