@@ -1032,8 +1032,8 @@ def report(opts: Options, system: SystemResult, direct: DirectResult,
                      "the numbers are noisy: rerun on a quiet machine")
     lines += [
         f"ratio system/direct = {ratio:.2f}, the median of the paired rounds' "
-        f"(target >= 0.70: "
-        f"{'met' if ratio >= 0.7 else 'NOT met'})",
+        f"(target >= 0.80: "
+        f"{'met' if ratio >= 0.8 else 'NOT met'})",
         f"bench: system={system_rate:.1f} direct={direct_rate:.1f} ratio={ratio:.2f} "
         f"p50_ms={round(p50)} p99_ms={round(p99)}",
     ]
