@@ -101,7 +101,10 @@ BEGIN
 END;
 $$;
 
--- The job of a claimed run, if no worker fetched it yet. (Procrastinate's
+-- The job of a claimed run, if no worker fetched it yet. A worker fetching
+-- it at this instant (Procrastinate's fetch locks the row it takes, woken by
+-- the same commit) is not waited for: its task will find the run taken, and
+-- the claim commits without a wait on its critical path. (Procrastinate's
 -- own triggers on its jobs table name its tables unqualified.)
 CREATE FUNCTION yuxi.drop_run_job_v1(p_job bigint, p_run uuid) RETURNS void
     LANGUAGE plpgsql
@@ -109,8 +112,10 @@ CREATE FUNCTION yuxi.drop_run_job_v1(p_job bigint, p_run uuid) RETURNS void
 AS $$
 BEGIN
     DELETE FROM procrastinate_jobs
-     WHERE id = p_job AND status = 'todo' AND task_name = 'execute_run'
-       AND args->>'run_id' = p_run::text;
+     WHERE id = (SELECT id FROM procrastinate_jobs
+                  WHERE id = p_job AND status = 'todo' AND task_name = 'execute_run'
+                    AND args->>'run_id' = p_run::text
+                    FOR UPDATE SKIP LOCKED);
 END;
 $$;
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import uuid
 
+import pytest
+
 from tests.integration.helpers import events, executor, new_session, rows, runs_with_status, scalar, say_agent
 from yuxi.runtime.saver import checkpoint_connection
 from yuxi.services import runs, sessions
@@ -170,3 +172,61 @@ async def test_a_broken_checkpoint_connection_is_dropped_without_an_error(
         await conn.close()
     async with checkpoint_connection(checkpoint_pool) as conn:
         assert await _marks(conn) == ("", "")
+
+
+async def _all_unmarked(checkpoint_pool) -> None:
+    conns = [await checkpoint_pool.getconn() for _ in range(checkpoint_pool.max_size)]
+    try:
+        for conn in conns:
+            assert await _marks(conn) == ("", "")
+            await conn.rollback()
+    finally:
+        for conn in conns:
+            await checkpoint_pool.putconn(conn)
+
+
+async def test_a_skipped_run_hands_its_connection_back_without_a_round_trip(
+        pool, checkpoint_pool, alice, monkeypatch):
+    # A run another worker took (a claim lost, a stale job) marked nothing:
+    # its connection goes back as it came, with no unmarking statement.
+    from yuxi.runtime import executor as executor_module, saver as saver_module
+
+    scope = alice[1]
+    session, receipts = await _queued(pool, scope, 1)
+    (first,) = await runs_with_status(pool, "ready")
+    assert await runs.start_run(pool, first, uuid.uuid4(), 30) is not None  # taken
+    unmarked: list[object] = []
+    original = saver_module.unmark
+
+    async def counted(conn):
+        unmarked.append(conn)
+        await original(conn)
+
+    for module in (executor_module, saver_module):
+        monkeypatch.setattr(module, "unmark", counted)
+    assert await executor(pool, checkpoint_pool).execute(first) == "skipped"
+    assert unmarked == []
+    await _all_unmarked(checkpoint_pool)
+
+
+async def test_a_lease_whose_answer_is_lost_never_leaves_its_connection_marked(
+        pool, checkpoint_pool, alice, monkeypatch):
+    # The lease (and the mark) committed, but the worker is cancelled before
+    # it reads the answer: the connection is unmarked all the same.
+    import asyncio
+
+    from yuxi.runtime import executor as executor_module
+
+    scope = alice[1]
+    session, receipts = await _queued(pool, scope, 1)
+    (first,) = await runs_with_status(pool, "ready")
+    real_start = runs.start_run
+
+    async def committed_then_cancelled(*args, **kwargs):
+        await real_start(*args, **kwargs)
+        raise asyncio.CancelledError
+
+    monkeypatch.setattr(executor_module.runs, "start_run", committed_then_cancelled)
+    with pytest.raises(asyncio.CancelledError):
+        await executor(pool, checkpoint_pool).execute(first)
+    await _all_unmarked(checkpoint_pool)

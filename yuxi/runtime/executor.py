@@ -34,7 +34,7 @@ from yuxi.runtime.group_commit import GroupCommit
 from yuxi.runtime.live import CallCancelled, WorkerListener, DeltaBatcher
 from yuxi.runtime.models import build_chat_model
 from yuxi.runtime.providers import configured_providers
-from yuxi.runtime.saver import RunSaver, checkpoint_connection
+from yuxi.runtime.saver import RunSaver, unmark, unmarked_after
 from yuxi.runtime import confine, cooperation, questions, sandbox_tools  # noqa: F401  (tool registration)
 from yuxi.runtime.tools import ToolContext, available_tools
 from yuxi.services import conversation, resources, runs, sandbox
@@ -494,18 +494,26 @@ class RunExecutor:
         token = uuid.uuid4()
         # One checkpoint connection for the job's runs: taking a lease on it
         # marks it for the checkpointer (start_run_v1, complete_run_v1).
-        async with checkpoint_connection(self.checkpoint_pool) as conn:
-            run = await runs.start_run(conn, run_id, token, self.settings.lease_seconds,
-                                       mark=True, host=self.settings.host_id, job_id=job_id)
+        async with self.checkpoint_pool.connection() as conn:
+            try:
+                run = await runs.start_run(conn, run_id, token, self.settings.lease_seconds,
+                                           mark=True, host=self.settings.host_id,
+                                           job_id=job_id)
+            except BaseException:
+                await unmark(conn)  # whether or not the lease committed
+                raise
             if run is None:
+                # Not taken, not marked (a claim another worker won, a stale
+                # job): the connection goes back as it came, no round trip.
                 return "skipped"
-            for left in range(self.max_continued_runs, -1, -1):
-                outcome, following = await self._measured(run, token, conn, left > 0)
-                if following is None:
-                    return outcome
-                log.debug("run %s: %s; going on with run %s", run["id"], outcome,
-                          following[0]["id"])
-                run, token = following
+            async with unmarked_after(conn):
+                for left in range(self.max_continued_runs, -1, -1):
+                    outcome, following = await self._measured(run, token, conn, left > 0)
+                    if following is None:
+                        return outcome
+                    log.debug("run %s: %s; going on with run %s", run["id"], outcome,
+                              following[0]["id"])
+                    run, token = following
         raise AssertionError("unreachable: the last run is never continued")
 
     async def _measured(self, run: dict[str, Any], token: uuid.UUID,

@@ -39,25 +39,35 @@ MARK = "SELECT yuxi.mark_checkpoint_connection_v1(%s, %s)"
 async def checkpoint_connection(pool: AsyncConnectionPool) -> AsyncIterator[AsyncConnection]:
     """A connection of the checkpoint pool, unmarked when it goes back (a
     worker goes on with several runs of a session on one connection, marking
-    it for each). A connection that cannot be unmarked is closed, never handed
-    back marked: a write cancelled mid-query (a parallel tool call stopped by
-    a cancel) leaves it broken, and that must not change the run's outcome."""
-    async with pool.connection() as conn:
-        try:
-            yield conn
-        finally:
-            try:
-                if conn.broken or conn.closed:
-                    raise psycopg.InterfaceError("connection lost")
-                await conn.execute(MARK, ("", ""))
-            except asyncio.CancelledError:
-                await conn.close()
-                raise
-            except Exception as exc:
-                log.warning("closing a checkpoint connection that could not be unmarked: %s",
-                            exc)
-                await conn.close()
+    it for each)."""
+    async with pool.connection() as conn, unmarked_after(conn):
+        yield conn
 
+
+@contextlib.asynccontextmanager
+async def unmarked_after(conn: AsyncConnection) -> AsyncIterator[None]:
+    """Unmark `conn` (a checkpoint pool's, marked by a lease taken on it) at
+    the end of the block. A connection that cannot be unmarked is closed,
+    never handed back marked: a write cancelled mid-query (a parallel tool
+    call stopped by a cancel) leaves it broken, and that must not change the
+    run's outcome."""
+    try:
+        yield
+    finally:
+        await unmark(conn)
+
+
+async def unmark(conn: AsyncConnection) -> None:
+    try:
+        if conn.broken or conn.closed:
+            raise psycopg.InterfaceError("connection lost")
+        await conn.execute(MARK, ("", ""))
+    except asyncio.CancelledError:
+        await conn.close()
+        raise
+    except Exception as exc:
+        log.warning("closing a checkpoint connection that could not be unmarked: %s", exc)
+        await conn.close()
 
 
 # LangGraph's task path of the graph's model node (a pull task).
