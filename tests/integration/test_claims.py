@@ -9,6 +9,7 @@ import asyncio
 import uuid
 
 import psycopg
+import pytest
 
 from tests.integration.helpers import (
     executor, new_session, rewrite_function, runs_with_status, scalar)
@@ -122,41 +123,38 @@ async def test_a_worker_claims_only_its_queues_and_only_with_a_free_slot(
         await ex2.close_claims()
 
 
-async def test_a_claim_does_not_wait_for_a_fetch_in_flight(db_url, pool, checkpoint_pool,
-                                                          alice):
+async def _claim_while_fetched(db_url, run: uuid.UUID, job: int) -> uuid.UUID | None:
+    """Claim the run while another connection holds its job's row (as
+    Procrastinate's fetch does while it takes the job); a claim that would
+    wait for that lock fails after 500 ms instead of hanging."""
+    async with await psycopg.AsyncConnection.connect(db_url) as fetcher:
+        await fetcher.execute("SELECT id FROM procrastinate.procrastinate_jobs WHERE id = %s "
+                              "FOR UPDATE", (job,))
+        try:
+            async with await psycopg.AsyncConnection.connect(db_url) as claimer:
+                await claimer.execute("SET lock_timeout = '500ms'")
+                cur = await claimer.execute(
+                    "SELECT id FROM yuxi.claim_run_v1(%s, %s, %s, 30, false, NULL)",
+                    (run, job, uuid.uuid4()))
+                (claimed,) = await cur.fetchone()
+                await claimer.commit()
+                return claimed
+        finally:
+            await fetcher.rollback()
+
+
+async def test_a_claim_does_not_wait_for_a_fetch_in_flight(db_url, pool, alice):
     # Procrastinate's fetch, woken by the same commit, may hold the job's row
     # while the claim commits: the claim takes the run without waiting, and
     # leaves the job to the fetch (whose task finds the run taken).
     _queue, run, job, _receipt = await _announced(db_url, pool, alice[1])
-    async with await psycopg.AsyncConnection.connect(db_url) as fetcher:
-        await fetcher.execute("SELECT id FROM procrastinate.procrastinate_jobs WHERE id = %s "
-                              "FOR UPDATE", (job,))
-        async with await psycopg.AsyncConnection.connect(db_url) as claimer:
-            # A claim that waited for the fetch would fail here, not hang.
-            await claimer.execute("SET lock_timeout = '500ms'")
-            cur = await claimer.execute(
-                "SELECT id FROM yuxi.claim_run_v1(%s, %s, %s, 30, false, NULL) "
-                "WHERE id IS NOT NULL", (run, job, uuid.uuid4()))
-            assert (await cur.fetchone())[0] == run
-            await claimer.commit()
-        await fetcher.rollback()
+    assert await _claim_while_fetched(db_url, run, job) == run
     assert await scalar(pool, JOB, (job,)) == "todo"
 
 
-async def test_without_skip_locked_a_claim_waits_for_the_fetch(db_url, pool, checkpoint_pool,
-                                                              alice):
+async def test_without_skip_locked_a_claim_waits_for_the_fetch(db_url, pool, alice):
     # Negative case: a plain DELETE waits for the fetch's lock.
     await rewrite_function(pool, "yuxi.drop_run_job_v1", "FOR UPDATE SKIP LOCKED", "")
     _queue, run, job, _receipt = await _announced(db_url, pool, alice[1])
-    async with await psycopg.AsyncConnection.connect(db_url) as fetcher:
-        await fetcher.execute("SELECT id FROM procrastinate.procrastinate_jobs WHERE id = %s "
-                              "FOR UPDATE", (job,))
-        async with await psycopg.AsyncConnection.connect(db_url) as claimer:
-            await claimer.execute("SET lock_timeout = '500ms'")
-            try:
-                await claimer.execute("SELECT yuxi.claim_run_v1(%s, %s, %s, 30, false, NULL)",
-                                      (run, job, uuid.uuid4()))
-                raise AssertionError("the claim did not wait for the fetch's lock")
-            except psycopg.errors.LockNotAvailable:
-                pass
-        await fetcher.rollback()
+    with pytest.raises(psycopg.errors.LockNotAvailable):
+        await _claim_while_fetched(db_url, run, job)

@@ -29,6 +29,15 @@ class Store:
         return [ValueError(f"odd {i}") if i % 2 else i * 2 for i in items]
 
 
+async def in_flight(store: Store, commit: GroupCommit, item: int) -> asyncio.Future:
+    """`item` submitted alone, its batch held open in the flush."""
+    store.gate = asyncio.Event()
+    future = asyncio.ensure_future(commit.submit(item))
+    await asyncio.sleep(0.01)
+    assert store.batches[-1] == [item]
+    return future
+
+
 async def test_calls_of_one_step_go_in_one_batch_and_get_their_own_outcomes():
     store = Store()
     commit = GroupCommit(store.flush)
@@ -55,10 +64,8 @@ async def test_calls_one_loop_turn_behind_the_first_join_its_batch():
 
 async def test_items_arriving_during_a_flush_go_in_the_next_batch():
     store = Store()
-    store.gate = asyncio.Event()
     commit = GroupCommit(store.flush)
-    first = asyncio.ensure_future(commit.submit(0))
-    await asyncio.sleep(0.01)  # the first batch is in flight, held open
+    first = await in_flight(store, commit, 0)
     later = [asyncio.ensure_future(commit.submit(i)) for i in (2, 4, 6)]
     await asyncio.sleep(0.01)
     assert store.batches == [[0]]
@@ -67,21 +74,16 @@ async def test_items_arriving_during_a_flush_go_in_the_next_batch():
     assert store.batches == [[0], [2, 4, 6]]
 
 
-async def test_a_failed_flush_fails_its_batch_only():
+async def test_a_failed_flush_fails_its_callers_and_the_commit_goes_on():
     store = Store()
-    store.gate = asyncio.Event()
     commit = GroupCommit(store.flush)
-    first = asyncio.ensure_future(commit.submit(0))
-    await asyncio.sleep(0.01)
+    first = await in_flight(store, commit, 0)
     store.fail = RuntimeError("database away")
-    second = asyncio.ensure_future(commit.submit(2))
     store.gate.set()
     with pytest.raises(RuntimeError):
         await first
-    with pytest.raises(RuntimeError):
-        await second  # the batch after it met the same fault
-    store.fail, store.gate = None, None
-    assert await commit.submit(4) == 8  # and the commit goes on
+    store.fail = None
+    assert await commit.submit(4) == 8
 
 
 async def test_a_batch_holds_at_most_limit_items():
@@ -93,10 +95,8 @@ async def test_a_batch_holds_at_most_limit_items():
 
 async def test_a_cancelled_caller_s_waiting_item_is_not_sent():
     store = Store()
-    store.gate = asyncio.Event()
     commit = GroupCommit(store.flush)
-    first = asyncio.ensure_future(commit.submit(0))
-    await asyncio.sleep(0.01)
+    first = await in_flight(store, commit, 0)
     dropped = asyncio.ensure_future(commit.submit(2))
     kept = asyncio.ensure_future(commit.submit(4))
     await asyncio.sleep(0.01)
@@ -108,9 +108,8 @@ async def test_a_cancelled_caller_s_waiting_item_is_not_sent():
 
 async def test_settled_waits_for_the_items_in_flight():
     store = Store()
-    store.gate = asyncio.Event()
     commit = GroupCommit(store.flush)
-    pending = asyncio.ensure_future(commit.submit(0))
+    pending = await in_flight(store, commit, 0)
     settled = asyncio.ensure_future(commit.settled())
     await asyncio.sleep(0.01)
     assert not settled.done()
