@@ -230,3 +230,50 @@ async def test_a_lease_whose_answer_is_lost_never_leaves_its_connection_marked(
     with pytest.raises(asyncio.CancelledError):
         await executor(pool, checkpoint_pool).execute(first)
     await _all_unmarked(checkpoint_pool)
+
+
+async def _checkpoint_reads(monkeypatch) -> list[str]:
+    """The thread ids LangGraph's own saver reads a checkpoint of (round trips)."""
+    from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
+
+    reads: list[str] = []
+    original = AsyncPostgresSaver.aget_tuple
+
+    async def counted(self, config):
+        reads.append(config["configurable"]["thread_id"])
+        return await original(self, config)
+
+    monkeypatch.setattr(AsyncPostgresSaver, "aget_tuple", counted)
+    return reads
+
+
+async def test_a_handed_over_turn_starts_from_the_checkpoint_its_worker_wrote(
+        pool, checkpoint_pool, alice, monkeypatch):
+    # The session's next turn, handed over by the completion: its run starts
+    # from the checkpoint the same worker just committed (the lease left no
+    # gap for another writer) and reads none; its conversation is whole.
+    scope = alice[1]
+    session, receipts = await _queued(pool, scope, 3)
+    (first,) = await runs_with_status(pool, "ready")
+    reads = await _checkpoint_reads(monkeypatch)
+    assert await executor(pool, checkpoint_pool).execute(first) == "completed"
+    assert reads == []
+    from yuxi.services import conversation
+
+    texts = [m["content"] for m in await conversation.messages(checkpoint_pool, session.id)]
+    assert texts == ["q0", "answer to q0", "q1", "answer to q1", "q2", "answer to q2"]
+
+
+async def test_without_the_carried_checkpoint_each_handed_over_turn_reads_it(
+        pool, checkpoint_pool, alice, monkeypatch):
+    # Negative case: no checkpoint carried over: one round trip per turn after
+    # the first.
+    from yuxi.runtime.saver import RunSaver
+
+    scope = alice[1]
+    session, receipts = await _queued(pool, scope, 3)
+    (first,) = await runs_with_status(pool, "ready")
+    monkeypatch.setattr(RunSaver, "latest_tuple", lambda self: None)
+    reads = await _checkpoint_reads(monkeypatch)
+    assert await executor(pool, checkpoint_pool).execute(first) == "completed"
+    assert reads == [str(session.id)] * 2

@@ -321,14 +321,21 @@ class TurnConversation:
 
 class Carry(NamedTuple):
     """A completed turn's conversation, for the run its completion handed
-    over: the archive the run saw and the messages its checkpoint ends with."""
+    over: the archive the run saw, the messages its checkpoint ends with,
+    and that checkpoint as LangGraph reads it (RunSaver.latest_tuple)."""
 
     history: list[Any]
     messages: list[Any]
+    checkpoint: Any = None
 
 
 # Where a handed-over run's dict holds its Carry.
 CARRY = "_conversation"
+
+def carried_checkpoint(run: dict[str, Any]) -> Any:
+    carry = run.get(CARRY)
+    return carry.checkpoint if carry is not None else None
+
 
 # Put first in a turn's input: the checkpoint's messages start over with it.
 RESET = RemoveMessage(id=REMOVE_ALL_MESSAGES)
@@ -662,7 +669,8 @@ class RunExecutor:
             # `conn` is marked with this run's lease (by its start or by the
             # completion that handed it over).
             return await self._drive_turn(run, token, visible, box,
-                                          RunSaver(conn, empty=bool(run.get("first_run"))),
+                                          RunSaver(conn, empty=bool(run.get("first_run")),
+                                                   latest=carried_checkpoint(run)),
                                           go_on, deltas=deltas, in_flight=in_flight)
         finally:
             if box is not None:
@@ -711,7 +719,8 @@ class RunExecutor:
                     # The session's next turn (a hand-over may also give
                     # the slot to another session's run: that one reads
                     # its own session's archive).
-                    following = {**following, CARRY: Carry(conv.history, conv.final)}
+                    following = {**following, CARRY: Carry(conv.history, conv.final,
+                                                           saver.latest_tuple())}
                 return outcome, (following, next_token) if following else None
             resume = None
             extra = await SteerInbox(self.pool, run, token).take(

@@ -19,7 +19,8 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any, NamedTuple, TypeVar
 
 import psycopg
-from langgraph.checkpoint.base import WRITES_IDX_MAP, get_serializable_checkpoint_metadata
+from langgraph.checkpoint.base import (
+    WRITES_IDX_MAP, CheckpointTuple, copy_checkpoint, get_serializable_checkpoint_metadata)
 from langgraph.checkpoint.postgres import _ainternal
 from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 from langgraph.checkpoint.serde.types import _DeltaSnapshot
@@ -148,7 +149,8 @@ class RunSaver(AsyncPostgresSaver):
     writes go out at once, and anything else first sends what is held: the
     rest is LangGraph's own."""
 
-    def __init__(self, conn: AsyncConnection, *, empty: bool = False) -> None:
+    def __init__(self, conn: AsyncConnection, *, empty: bool = False,
+                 latest: CheckpointTuple | None = None) -> None:
         super().__init__(conn)
         # `empty`: the thread has no checkpoint yet (the first run of a
         # session's first turn, yuxi.leased_run.first_run): reads of its
@@ -159,7 +161,16 @@ class RunSaver(AsyncPostgresSaver):
         # nothing else writes the thread meanwhile. (A turn's first run reads
         # the checkpoint to archive what an earlier turn left there, then
         # LangGraph reads it again to start: one round trip for both.)
+        # `latest`: the thread's latest checkpoint as the previous run on this
+        # connection wrote it (`latest_tuple`; a hand-over within the
+        # session, whose lease left no gap for another writer): LangGraph's
+        # first read of this run is answered from it, without a round trip.
         self._reread: tuple[tuple[Any, ...], Any] | None = None
+        if latest is not None:
+            c = latest.config["configurable"]
+            self._reread = ((c["thread_id"], c["checkpoint_ns"], None), latest)
+        # What the last aput was given (config, checkpoint, metadata).
+        self._put: tuple[Any, Any, Any] | None = None
         self._held: list[Op] = []
         self._held_id: str | None = None
         self._ending = False  # the held writes are a final answer's
@@ -249,9 +260,29 @@ class RunSaver(AsyncPostgresSaver):
         self._writing()
         return await self._pipeline(self._take_held(), query, params)
 
+    def latest_tuple(self) -> CheckpointTuple | None:
+        """The last checkpoint this saver was given, as LangGraph's read of
+        it would return it (the thread's latest, once committed), or None
+        (nothing put; a channel stored as a delta, which a read rebuilds)."""
+        if self._put is None:
+            return None
+        config, checkpoint, metadata = self._put
+        if any(isinstance(v, _DeltaSnapshot) for v in checkpoint["channel_values"].values()):
+            return None
+        c = config["configurable"]
+        ids = {"thread_id": c["thread_id"], "checkpoint_ns": c.get("checkpoint_ns", "")}
+        parent = c.get("checkpoint_id")
+        return CheckpointTuple(
+            config={"configurable": {**ids, "checkpoint_id": checkpoint["id"]}},
+            checkpoint=copy_checkpoint(checkpoint),
+            metadata=get_serializable_checkpoint_metadata(config, metadata),
+            parent_config={"configurable": {**ids, "checkpoint_id": parent}} if parent else None,
+            pending_writes=[])
+
     async def aput(self, config, checkpoint, metadata, new_versions):
         await self._task_writes.settled()  # a step's checkpoint after its tasks' writes
         self._writing()
+        self._put = (config, checkpoint, metadata)
         if (metadata or {}).get("source") == "input" and not self._held:
             self._held = self._checkpoint_ops(config, checkpoint, metadata, new_versions)
             self._held_id, self._starting = checkpoint["id"], True
