@@ -202,12 +202,15 @@ async def transaction(pool: AsyncConnectionPool) -> AsyncIterator[psycopg.AsyncC
 
 
 async def listen_forever(url: str, channels: tuple[str, ...], on_note, *, what: str,
-                         on_connect=None, on_disconnect=None, poll_seconds: float = 5.0) -> None:
+                         on_connect=None, on_disconnect=None, on_poll=None,
+                         poll_seconds: float = 5.0) -> None:
     """A process's LISTEN connection on `channels`, kept up for good: each
     notification goes to `on_note`; a lost connection is reopened with
     backoff (0.2 s doubling to 5 s). `on_connect` runs once listening (the
     notifications sent while disconnected are gone: catch up there),
-    `on_disconnect` when the connection is lost. Runs until cancelled."""
+    `on_disconnect` when the connection is lost. `on_poll(conn)`, a
+    coroutine, is the round trip made at connect and every `poll_seconds`
+    (else `SELECT 1`). Runs until cancelled."""
     log = logging.getLogger("yuxi.listen")
     backoff = 0.2
     while True:
@@ -216,13 +219,18 @@ async def listen_forever(url: str, channels: tuple[str, ...], on_note, *, what: 
                 for channel in channels:
                     await conn.execute(f"LISTEN {channel}")
                 backoff = 0.2
+                if on_poll is not None:
+                    await on_poll(conn)
                 if on_connect is not None:
                     on_connect()
                 while True:
                     # A bounded wait, then a round trip: a dead connection is noticed.
                     async for note in conn.notifies(timeout=poll_seconds):
                         on_note(note)
-                    await conn.execute("SELECT 1")
+                    if on_poll is not None:
+                        await on_poll(conn)
+                    else:
+                        await conn.execute("SELECT 1")
         except asyncio.CancelledError:
             raise
         except Exception as exc:

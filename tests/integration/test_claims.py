@@ -158,3 +158,56 @@ async def test_without_skip_locked_a_claim_waits_for_the_fetch(db_url, pool, ali
     _queue, run, job, _receipt = await _announced(db_url, pool, alice[1])
     with pytest.raises(psycopg.errors.LockNotAvailable):
         await _claim_while_fetched(db_url, run, job)
+
+
+async def _claim_attempts(db_url, pool, checkpoint_pool, scope, turns: int) -> dict[str, int]:
+    """Two claiming workers, `turns` inputs to idle sessions: how many claims
+    each run got (every turn must complete through the claims)."""
+    workers = [executor(pool, checkpoint_pool) for _ in range(2)]
+    attempts: dict[str, int] = {}
+    for ex in workers:
+        ex.listener.poll_seconds = 0.1  # read the other claimer soon
+        claimed = ex._claimed
+
+        async def counted(run_id, job_id, claimed=claimed):
+            attempts[str(run_id)] = attempts.get(str(run_id), 0) + 1
+            await claimed(run_id, job_id)
+
+        ex._claimed = counted
+        ex.claims(("runs",))
+    try:
+        for ex in workers:
+            assert await ex.listener.ready()
+        deadline = asyncio.get_running_loop().time() + 10
+        while not all(len(ex.listener.claimers.get("runs", ())) == 2 for ex in workers):
+            assert asyncio.get_running_loop().time() < deadline, "the claimers never met"
+            await asyncio.sleep(0.05)
+        receipts = []
+        for _ in range(turns):
+            session = await new_session(pool, scope)
+            receipts.append(await sessions.receive_input(pool, scope, session.id, content="q"))
+        for receipt in receipts:
+            while (await sessions.get_turn(pool, scope, receipt.turn_id)).status != "completed":
+                assert asyncio.get_running_loop().time() < deadline + 20, "a turn never ran"
+                await asyncio.sleep(0.02)
+    finally:
+        for ex in workers:
+            await ex.close_claims()
+    return attempts
+
+
+async def test_of_two_claiming_workers_one_claims_each_run(db_url, pool, checkpoint_pool,
+                                                          alice):
+    attempts = await _claim_attempts(db_url, pool, checkpoint_pool, alice[1], 8)
+    assert sorted(attempts.values()) == [1] * 8
+
+
+async def test_without_a_preferred_claimer_both_claim_every_run(
+        db_url, pool, checkpoint_pool, alice, monkeypatch):
+    # Negative case: every claiming worker claims; all but one lose the race
+    # for the lease (a round trip and a wake-up each, at every turn's start).
+    from yuxi.runtime.live import WorkerListener
+
+    monkeypatch.setattr(WorkerListener, "preferred", lambda self, queue, run: True)
+    attempts = await _claim_attempts(db_url, pool, checkpoint_pool, alice[1], 8)
+    assert sorted(attempts.values()) == [2] * 8

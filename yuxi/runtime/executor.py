@@ -445,7 +445,8 @@ class RunExecutor:
         """Claim ready runs of `queues` as they are deferred (`yuxi_ready`),
         while this process has a free slot: their jobs are then removed,
         never fetched (claim_run_v1). Without a free slot the job stays for
-        whichever worker fetches it first."""
+        whichever worker fetches it first. Of several claiming workers, one
+        claims a given run (WorkerListener.preferred)."""
         def on_ready(payload: str) -> None:
             try:
                 queue, run_id, job_id = payload.split()
@@ -453,12 +454,14 @@ class RunExecutor:
             except ValueError:
                 log.warning("ignoring a malformed yuxi_ready payload %r", payload[:200])
                 return
-            if queue not in queues or self.slots.locked():
+            if queue not in queues or self.slots.locked() \
+                    or not self.listener.preferred(queue, run):
                 return
             task = asyncio.create_task(self._claimed(run, job), name=f"yuxi-claim-{run}")
             self._claims.add(task)
             task.add_done_callback(self._claims.discard)
 
+        self.listener.claimer_host = self.settings.host_id
         self.listener.on_ready = on_ready
         self.listener.start()
 
@@ -478,7 +481,7 @@ class RunExecutor:
             log.info("run %s (claimed): %s", run_id, outcome)
 
     def stop_claims(self) -> None:
-        self.listener.on_ready = None
+        self.listener.stop_claiming()
 
     async def close_claims(self) -> None:
         """Claim no more, and let the claimed runs in flight finish (as a

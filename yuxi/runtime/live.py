@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
+from psycopg.conninfo import make_conninfo
 from psycopg_pool import AsyncConnectionPool
 
 from yuxi import db
@@ -30,6 +31,9 @@ DELTA_CHANNEL = "yuxi_deltas"
 CANCEL_CHANNEL = "yuxi_cancel"
 # Ready runs, for an idle worker to claim (sql/020_slots.sql, defer_run_job_v1).
 READY_CHANNEL = "yuxi_ready"
+# The application_name of a claiming worker's LISTEN connection, + its host.
+CLAIMER = "yuxi-claims "
+CLAIMERS_SECONDS = 1.0
 FLUSH_SECONDS = 0.05
 # Characters of text per payload: even 6 bytes per character (JSON escapes)
 # keeps a payload under PostgreSQL's 8000-byte limit.
@@ -119,6 +123,48 @@ class WorkerListener:
         self._task: asyncio.Task | None = None
         self._ready = asyncio.Event()
         self.on_ready: Callable[[str], None] | None = None
+        # A claiming worker's host (set with on_ready): its LISTEN connection
+        # is named for it, so that every claimer sees the others (`claimers`).
+        self.claimer_host: str | None = None
+        self.pid: int | None = None  # this listener's backend
+        self.claimers: dict[str, list[int]] = {}  # queue -> the backends claiming it
+
+    def stop_claiming(self) -> None:
+        """Hear no more ready runs, and leave the claimers' set at once (a
+        claimer that stays listed would be picked for runs it no longer
+        claims): the connection is made again, listening to cancels only."""
+        self.on_ready, self.claimer_host, self.claimers = None, None, {}
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            self._ready.clear()
+            self._task = asyncio.create_task(self._listen_forever(), name="yuxi-cancel-watch")
+
+    def preferred(self, queue: str, run: uuid.UUID) -> bool:
+        """Whether this worker is the one that claims `run` of `queue`: of
+        the listening claimers that serve the queue, the one the run's id
+        picks. Another worker's claim would only lose the race for the
+        lease (a round trip and a wake-up on the same cores at the turn's
+        start); a run its claimer leaves (no free slot, just died) is
+        fetched from the queue as its job. Unknown (not listening yet, the
+        set not read): this worker claims, as every worker once did."""
+        pids = self.claimers.get(queue)
+        if not pids or self.pid not in pids:
+            return True
+        return pids[run.int % len(pids)] == self.pid
+
+    async def _read_claimers(self, conn: Any) -> None:
+        """The claimers listening now, from the server's own list of
+        sessions (a worker that dies drops out with its connection)."""
+        self.pid = conn.info.backend_pid
+        cur = await conn.execute(
+            "SELECT pid, substr(application_name, length(%s) + 1) AS host "
+            "FROM pg_stat_activity WHERE datname = current_database() "
+            "AND application_name LIKE %s ORDER BY pid", (CLAIMER, CLAIMER + "%"))
+        rows = await cur.fetchall()
+        claimers: dict[str, list[int]] = {"runs": [pid for pid, _ in rows]}
+        for pid, host in rows:
+            claimers.setdefault(f"runs@{host}", []).append(pid)
+        self.claimers = claimers
 
     def start(self) -> None:
         self._ensure_started()
@@ -185,12 +231,18 @@ class WorkerListener:
     async def _listen_forever(self) -> None:
         # Missed notifications cost latency only: boundaries still check, and
         # a ready run's job is still in the queue.
-        channels = (CANCEL_CHANNEL,) if self.on_ready is None else (CANCEL_CHANNEL,
-                                                                    READY_CHANNEL)
-        await db.listen_forever(self.url, channels, self._note,
+        if self.on_ready is None:
+            channels, url, on_poll = (CANCEL_CHANNEL,), self.url, None
+        else:
+            channels, on_poll = (CANCEL_CHANNEL, READY_CHANNEL), self._read_claimers
+            url = make_conninfo(self.url, application_name=f"{CLAIMER}{self.claimer_host}"[:63])
+        # A claimer reads the set of claimers every second: a worker that
+        # joins is seen (and one that left is no longer picked) within it.
+        poll = self.poll_seconds if on_poll is None else min(self.poll_seconds, CLAIMERS_SECONDS)
+        await db.listen_forever(url, channels, self._note,
                                 what="worker listener", on_connect=self._ready.set,
-                                on_disconnect=self._ready.clear,
-                                poll_seconds=self.poll_seconds)
+                                on_disconnect=self._ready.clear, on_poll=on_poll,
+                                poll_seconds=poll)
 
 
 def _current_cancelling() -> bool:
