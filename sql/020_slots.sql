@@ -13,16 +13,34 @@ CREATE FUNCTION yuxi.defer_run_job_v1(p_run uuid) RETURNS bigint
     LANGUAGE plpgsql AS $$
 DECLARE
     v_queue text := yuxi.run_queue_v1((SELECT tree_id FROM yuxi.runs WHERE id = p_run));
-    v_job bigint := yuxi.defer_job_v1(v_queue, 'execute_run',
-                                      jsonb_build_object('run_id', p_run), NULL);
+    v_job bigint;
 BEGIN
     -- A worker of the queue with a free slot claims the run at once, one
     -- round trip instead of Procrastinate's fetch and then the lease
     -- (claim_run_v1); the job stays the way the run is executed when no
-    -- worker claims it (all busy, the notification missed).
+    -- worker claims it (all busy, the notification missed). While a claimer
+    -- of the queue listens, the job is due 20 ms later:
+    -- Procrastinate's workers, woken by the same commit, would otherwise
+    -- race the claim for it (a fetch and a task that finds its run taken,
+    -- or a claim waiting on the fetch), at every run's start.
+    v_job := yuxi.defer_job_v1(v_queue, 'execute_run', jsonb_build_object('run_id', p_run),
+                               CASE WHEN yuxi.claimer_listening_v1(v_queue)
+                                    THEN clock_timestamp() + interval '20 milliseconds' END);
     PERFORM pg_notify('yuxi_ready', v_queue || ' ' || p_run || ' ' || v_job);
     RETURN v_job;
 END;
+$$;
+
+-- Whether a worker claiming `p_queue` listens now: its LISTEN connection is
+-- named `yuxi-claims <host>` (yuxi.runtime.live); `runs` is every host's,
+-- `runs@<host>` that host's.
+CREATE FUNCTION yuxi.claimer_listening_v1(p_queue text) RETURNS boolean
+    LANGUAGE sql STABLE AS $$
+    SELECT EXISTS (
+        SELECT 1 FROM pg_stat_activity
+         WHERE datname = current_database()
+           AND CASE WHEN p_queue = 'runs' THEN application_name LIKE 'yuxi-claims %'
+                    ELSE application_name = 'yuxi-claims ' || substr(p_queue, 6) END);
 $$;
 
 -- Defer a Procrastinate job (its id), under Procrastinate's search_path

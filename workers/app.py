@@ -37,9 +37,12 @@ app = procrastinate.App(
     worker_defaults={
         "queues": ["runs", "maintenance", HOST_QUEUE],
         "concurrency": settings.worker_concurrency,
-        # NOTIFY wakes idle workers at once; polling is only the fallback for
-        # scheduled jobs (the recovery sweep) and missed notifications.
-        "fetch_job_polling_interval": 1.0,
+        # NOTIFY wakes idle workers at once; polling is the fallback for
+        # scheduled jobs: the recovery sweep, missed notifications, and the
+        # job of a ready run that its claimer left (busy, just died), due 20
+        # ms after its NOTIFY (defer_run_job_v1): this bounds how long it
+        # waits then.
+        "fetch_job_polling_interval": 0.25,
         "delete_jobs": "successful",
         "update_heartbeat_interval": 2.0,
         "stalled_worker_timeout": 10.0,

@@ -211,3 +211,32 @@ async def test_without_a_preferred_claimer_both_claim_every_run(
     monkeypatch.setattr(WorkerListener, "preferred", lambda self, queue, run: True)
     attempts = await _claim_attempts(db_url, pool, checkpoint_pool, alice[1], 8)
     assert sorted(attempts.values()) == [2] * 8
+
+
+SCHEDULED = """SELECT scheduled_at IS NOT NULL
+                 AND scheduled_at > now() AND scheduled_at < now() + interval '1 s'
+                 FROM procrastinate.procrastinate_jobs WHERE id = %s"""
+
+
+async def test_while_a_claimer_listens_a_ready_run_s_job_waits_for_it(
+        db_url, pool, checkpoint_pool, alice):
+    # Procrastinate's fetch, woken by the same commit, would race the claim
+    # for the job: while a claimer of the queue listens, the job is due a
+    # moment later (what its claimer leaves is fetched then).
+    ex = executor(pool, checkpoint_pool, worker_concurrency=1)
+    ex.claims(("runs",))
+    try:
+        assert await ex.listener.ready()
+        async with ex.slots:  # busy: it leaves the run to its job
+            _queue, run, job, _receipt = await _announced(db_url, pool, alice[1])
+            assert await scalar(pool, SCHEDULED, (job,)) is True
+    finally:
+        await ex.close_claims()
+
+
+async def test_with_no_claimer_listening_the_job_is_due_at_once(db_url, pool, alice):
+    # Negative case (YUXI_WORKER_CLAIMS=0, or no worker up): nothing would
+    # claim the run, so its job is not held back.
+    _queue, run, job, _receipt = await _announced(db_url, pool, alice[1])
+    assert await scalar(pool, "SELECT scheduled_at FROM procrastinate.procrastinate_jobs "
+                              "WHERE id = %s", (job,)) is None
