@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import contextlib
+import gc
 import os
 import re
 import statistics
@@ -362,23 +362,25 @@ async def sse_run(args: Any, log_dir: Path, label: str, extra_env: dict[str, str
             # pause this loop by tens of milliseconds mid-run.
             gc.collect()
             gc.disable()
-            api_proc = psutil.Process(services.api_pid)
-            me = psutil.Process()
-            cpu0 = (sum(api_proc.cpu_times()[:2]), sum(me.cpu_times()[:2]))
-            began = time.monotonic()
-            for k in range(args.turns):
-                t = time.monotonic()
-                r = await post(http, session["id"], f"turn {k}")
-                await wait_turn(conn, tree, r["turn_id"])
-                await asyncio.sleep(max(0.0, interval - (time.monotonic() - t)))
-            drive = time.monotonic() - began
-            # Until every frame has arrived: no byte at any subscriber for 2 s
-            # (keepalives come every 15 s), at most 120 s.
-            deadline = time.monotonic() + 120
-            while time.time() - Subscriber.last_data < 2 and time.monotonic() < deadline:
-                await asyncio.sleep(0.2)
-            drained = time.monotonic() - began - drive
-            gc.enable()
+            try:
+                api_proc = psutil.Process(services.api_pid)
+                me = psutil.Process()
+                cpu0 = (sum(api_proc.cpu_times()[:2]), sum(me.cpu_times()[:2]))
+                began = time.monotonic()
+                for k in range(args.turns):
+                    t = time.monotonic()
+                    r = await post(http, session["id"], f"turn {k}")
+                    await wait_turn(conn, tree, r["turn_id"])
+                    await asyncio.sleep(max(0.0, interval - (time.monotonic() - t)))
+                drive = time.monotonic() - began
+                # Until every frame has arrived: no byte at any subscriber for 2 s
+                # (keepalives come every 15 s), at most 120 s.
+                deadline = time.monotonic() + 120
+                while time.time() - Subscriber.last_data < 2 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.2)
+                drained = time.monotonic() - began - drive
+            finally:
+                gc.enable()
             api_cpu = sum(api_proc.cpu_times()[:2]) - cpu0[0]
             bench_cpu = sum(me.cpu_times()[:2]) - cpu0[1]
             listener.stop.set()

@@ -31,16 +31,23 @@ BEGIN
 END;
 $$;
 
--- Whether a worker claiming `p_queue` listens now: its LISTEN connection is
--- named `yuxi-claims <host>` (yuxi.runtime.live); `runs` is every host's,
--- `runs@<host>` that host's.
+-- The claiming workers listening now, from the server's own list of
+-- sessions (a worker that dies drops out with its connection): a claimer's
+-- LISTEN connection is named `yuxi-claims <host>` (yuxi.runtime.live). It
+-- claims runs of `runs` (every host's) and of `runs@<host>` (its host's).
+CREATE FUNCTION yuxi.claimers_v1() RETURNS TABLE (pid integer, host text)
+    LANGUAGE sql STABLE AS $$
+    SELECT a.pid, substr(a.application_name, length('yuxi-claims ') + 1)
+      FROM pg_stat_activity a
+     WHERE a.datname = current_database() AND a.application_name LIKE 'yuxi-claims %'
+     ORDER BY a.pid;
+$$;
+
+-- Whether a worker claiming `p_queue` listens now.
 CREATE FUNCTION yuxi.claimer_listening_v1(p_queue text) RETURNS boolean
     LANGUAGE sql STABLE AS $$
-    SELECT EXISTS (
-        SELECT 1 FROM pg_stat_activity
-         WHERE datname = current_database()
-           AND CASE WHEN p_queue = 'runs' THEN application_name LIKE 'yuxi-claims %'
-                    ELSE application_name = 'yuxi-claims ' || substr(p_queue, 6) END);
+    SELECT EXISTS (SELECT 1 FROM yuxi.claimers_v1() c
+                    WHERE p_queue = 'runs' OR p_queue = 'runs@' || c.host);
 $$;
 
 -- Defer a Procrastinate job (its id), under Procrastinate's search_path

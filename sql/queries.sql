@@ -146,6 +146,9 @@ LIMIT %(limit)s;
 SELECT * FROM yuxi.start_run_v1(%(run_id)s, %(token)s, %(lease_seconds)s, %(mark)s, %(host)s)
 WHERE id IS NOT NULL;
 
+-- name: claimers
+SELECT pid, host FROM yuxi.claimers_v1();
+
 -- name: claim_run
 SELECT * FROM yuxi.claim_run_v1(%(run_id)s, %(job_id)s, %(token)s, %(lease_seconds)s,
                                 %(mark)s, %(host)s)

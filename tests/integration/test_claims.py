@@ -240,3 +240,26 @@ async def test_with_no_claimer_listening_the_job_is_due_at_once(db_url, pool, al
     _queue, run, job, _receipt = await _announced(db_url, pool, alice[1])
     assert await scalar(pool, "SELECT scheduled_at FROM procrastinate.procrastinate_jobs "
                               "WHERE id = %s", (job,)) is None
+
+
+async def test_the_claimers_of_a_host_queue_are_that_host_s(db_url, pool, checkpoint_pool,
+                                                           alice):
+    # A claimer serves `runs` and its own host's queue: a run of another
+    # host's queue has no claimer here (its job is due at once), and no
+    # worker of this host is picked for it.
+    ex = executor(pool, checkpoint_pool, host_id="h1")
+    ex.claims(("runs", "runs@h1"))
+    try:
+        assert await ex.listener.ready()
+        pid = ex.listener.pid
+        assert ex.listener.claimers == {"runs": [pid], "runs@h1": [pid]}
+        for queue, listening in (("runs", True), ("runs@h1", True), ("runs@h2", False)):
+            assert await scalar(pool, "SELECT yuxi.claimer_listening_v1(%s)",
+                                (queue,)) is listening, queue
+    finally:
+        await ex.close_claims()
+    # Once its old connection is gone (closed as the listener stops claiming).
+    deadline = asyncio.get_running_loop().time() + 5
+    while await scalar(pool, "SELECT yuxi.claimer_listening_v1('runs')"):
+        assert asyncio.get_running_loop().time() < deadline, "the claimer stayed listed"
+        await asyncio.sleep(0.02)

@@ -31,7 +31,8 @@ DELTA_CHANNEL = "yuxi_deltas"
 CANCEL_CHANNEL = "yuxi_cancel"
 # Ready runs, for an idle worker to claim (sql/020_slots.sql, defer_run_job_v1).
 READY_CHANNEL = "yuxi_ready"
-# The application_name of a claiming worker's LISTEN connection, + its host.
+# The application_name of a claiming worker's LISTEN connection, + its host
+# (how yuxi.claimers_v1 finds the claimers).
 CLAIMER = "yuxi-claims "
 CLAIMERS_SECONDS = 1.0
 FLUSH_SECONDS = 0.05
@@ -153,14 +154,9 @@ class WorkerListener:
         return pids[run.int % len(pids)] == self.pid
 
     async def _read_claimers(self, conn: Any) -> None:
-        """The claimers listening now, from the server's own list of
-        sessions (a worker that dies drops out with its connection)."""
+        """The claimers listening now (yuxi.claimers_v1), by queue."""
         self.pid = conn.info.backend_pid
-        cur = await conn.execute(
-            "SELECT pid, substr(application_name, length(%s) + 1) AS host "
-            "FROM pg_stat_activity WHERE datname = current_database() "
-            "AND application_name LIKE %s ORDER BY pid", (CLAIMER, CLAIMER + "%"))
-        rows = await cur.fetchall()
+        rows = await db.fetch_all(conn, "claimers")
         claimers: dict[str, list[int]] = {"runs": [pid for pid, _ in rows]}
         for pid, host in rows:
             claimers.setdefault(f"runs@{host}", []).append(pid)

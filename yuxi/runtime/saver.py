@@ -333,6 +333,11 @@ class RunSaver(AsyncPostgresSaver):
             config["configurable"]["thread_id"], config["configurable"]["checkpoint_ns"],
             checkpoint_id, task_id, task_path, writes), True, "writes", checkpoint_id)
 
+    async def _flushed(self) -> None:
+        """Before a read: never read around what is held or in flight."""
+        await self._task_writes.settled()
+        await self._write([])
+
     async def _flush_task_writes(self, ops: list[Op]) -> list[None]:
         await self._write(ops)
         return [None] * len(ops)
@@ -345,8 +350,7 @@ class RunSaver(AsyncPostgresSaver):
         of the conversation together: one round trip where there were two.)"""
         if self._empty and not self._held:
             return None, []  # nothing ran in the thread: nothing to read either
-        await self._task_writes.settled()
-        await self._write([])  # never read around what is held or in flight
+        await self._flushed()
         c = config["configurable"]
         key = (c.get("thread_id"), c.get("checkpoint_ns", ""), None)
         async with self.lock, _ainternal.get_connection(self.conn) as conn:
@@ -373,8 +377,7 @@ class RunSaver(AsyncPostgresSaver):
         if self._reread is not None and self._reread[0] == key and not self._held:
             found, self._reread = self._reread[1], None  # once: the first reader only looked
             return found
-        await self._task_writes.settled()
-        await self._write([])  # never read around what is held or in flight
+        await self._flushed()
         found = await super().aget_tuple(config)
         self._reread = (key, found)
         return found
