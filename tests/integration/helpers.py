@@ -33,6 +33,32 @@ def executor(pool, checkpoint_pool, continued_runs: int | None = None,
     return RunExecutor(Settings(**settings), pool, checkpoint_pool, **extra)
 
 
+def checkpoint_reads(monkeypatch) -> list[str]:
+    """The thread ids of the checkpoint reads that reach the database
+    (LangGraph's, and the run saver's read with the archive)."""
+    from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
+
+    from yuxi.runtime.saver import RunSaver
+
+    made: list[str] = []
+    original = AsyncPostgresSaver.aget_tuple
+
+    async def counted(self, config):
+        made.append(config["configurable"]["thread_id"])
+        return await original(self, config)
+
+    monkeypatch.setattr(AsyncPostgresSaver, "aget_tuple", counted)
+    original_with = RunSaver.aget_tuple_with
+
+    async def counted_with(self, config, query, params):
+        if not self._empty:  # (an empty thread's is answered without a read)
+            made.append(config["configurable"]["thread_id"])
+        return await original_with(self, config, query, params)
+
+    monkeypatch.setattr(RunSaver, "aget_tuple_with", counted_with)
+    return made
+
+
 async def runs_with_status(pool, status: str, tree_id=None) -> list[uuid.UUID]:
     async with pool.connection() as conn:
         cur = await conn.execute(

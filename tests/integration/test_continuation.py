@@ -8,7 +8,8 @@ import uuid
 
 import pytest
 
-from tests.integration.helpers import events, executor, new_session, rows, runs_with_status, scalar, say_agent
+from tests.integration.helpers import (
+    checkpoint_reads, events, executor, new_session, rows, runs_with_status, scalar, say_agent)
 from yuxi.runtime.saver import checkpoint_connection
 from yuxi.services import runs, sessions
 
@@ -232,21 +233,6 @@ async def test_a_lease_whose_answer_is_lost_never_leaves_its_connection_marked(
     await _all_unmarked(checkpoint_pool)
 
 
-async def _checkpoint_reads(monkeypatch) -> list[str]:
-    """The thread ids LangGraph's own saver reads a checkpoint of (round trips)."""
-    from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
-
-    reads: list[str] = []
-    original = AsyncPostgresSaver.aget_tuple
-
-    async def counted(self, config):
-        reads.append(config["configurable"]["thread_id"])
-        return await original(self, config)
-
-    monkeypatch.setattr(AsyncPostgresSaver, "aget_tuple", counted)
-    return reads
-
-
 async def test_a_handed_over_turn_starts_from_the_checkpoint_its_worker_wrote(
         pool, checkpoint_pool, alice, monkeypatch):
     # The session's next turn, handed over by the completion: its run starts
@@ -255,7 +241,7 @@ async def test_a_handed_over_turn_starts_from_the_checkpoint_its_worker_wrote(
     scope = alice[1]
     session, receipts = await _queued(pool, scope, 3)
     (first,) = await runs_with_status(pool, "ready")
-    reads = await _checkpoint_reads(monkeypatch)
+    reads = checkpoint_reads(monkeypatch)
     assert await executor(pool, checkpoint_pool).execute(first) == "completed"
     assert reads == []
     from yuxi.services import conversation
@@ -274,6 +260,6 @@ async def test_without_the_carried_checkpoint_each_handed_over_turn_reads_it(
     session, receipts = await _queued(pool, scope, 3)
     (first,) = await runs_with_status(pool, "ready")
     monkeypatch.setattr(RunSaver, "latest_tuple", lambda self: None)
-    reads = await _checkpoint_reads(monkeypatch)
+    reads = checkpoint_reads(monkeypatch)
     assert await executor(pool, checkpoint_pool).execute(first) == "completed"
     assert reads == [str(session.id)] * 2

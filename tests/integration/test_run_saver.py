@@ -18,7 +18,7 @@ from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 
 from tests.integration import gated
 from tests.integration.helpers import (
-    executor, new_session, rewrite_function, rows, runs_with_status, say_agent, scalar,
+    checkpoint_reads, executor, new_session, rewrite_function, rows, runs_with_status, say_agent, scalar,
     spy_model_calls)
 from yuxi.runtime import saver as saver_module
 from yuxi.runtime.saver import RunSaver
@@ -273,27 +273,6 @@ async def test_a_completion_refused_by_the_fence_writes_no_checkpoint(
     assert await conversation.messages(checkpoint_pool, session.id) == []
 
 
-async def _reads(monkeypatch) -> list[str]:
-    """Reads of the latest checkpoint that reach the database."""
-    made: list[str] = []
-    original = AsyncPostgresSaver.aget_tuple
-
-    async def counted(self, config):
-        made.append(config["configurable"]["thread_id"])
-        return await original(self, config)
-
-    monkeypatch.setattr(AsyncPostgresSaver, "aget_tuple", counted)
-    original_with = RunSaver.aget_tuple_with
-
-    async def counted_with(self, config, query, params):
-        if not self._empty:  # (an empty thread's is answered without a read)
-            made.append(config["configurable"]["thread_id"])
-        return await original_with(self, config, query, params)
-
-    monkeypatch.setattr(RunSaver, "aget_tuple_with", counted_with)
-    return made
-
-
 async def _two_turns(pool, checkpoint_pool, scope):
     session = await new_session(pool, scope, say_agent("answer to {{ input }}"))
     for text in ("one", "two"):
@@ -305,7 +284,7 @@ async def _two_turns(pool, checkpoint_pool, scope):
 
 async def test_a_sessions_first_run_skips_the_checkpoint_read(
         pool, checkpoint_pool, alice, monkeypatch):
-    reads = await _reads(monkeypatch)
+    reads = checkpoint_reads(monkeypatch)
     seen = spy_model_calls(monkeypatch)
     session = await _two_turns(pool, checkpoint_pool, alice[1])
     # The first turn's run knew there was nothing to read; the second read
