@@ -312,11 +312,16 @@ $$;
 -- Whether a wait's condition holds now.
 CREATE FUNCTION yuxi.wait_ready_v1(p_waiter uuid, p_kind text, p_targets uuid[], p_cursor jsonb)
 RETURNS boolean
-    LANGUAGE sql STABLE AS $$
-    SELECT CASE p_kind
-        WHEN 'sessions' THEN EXISTS (SELECT 1 FROM yuxi.session_updates_v1(p_waiter, p_targets, p_cursor))
-        ELSE NOT EXISTS (SELECT 1 FROM yuxi.inputs WHERE id = ANY(p_targets)
-                          AND status NOT IN ('completed', 'failed', 'cancelled')) END;
+    -- plpgsql, so that its plans are cached (a SQL function with subqueries
+    -- is not inlined: it was parsed and planned at every suspend).
+    LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    IF p_kind = 'sessions' THEN
+        RETURN EXISTS (SELECT 1 FROM yuxi.session_updates_v1(p_waiter, p_targets, p_cursor));
+    END IF;
+    RETURN NOT EXISTS (SELECT 1 FROM yuxi.inputs WHERE id = ANY(p_targets)
+                        AND status NOT IN ('completed', 'failed', 'cancelled'));
+END;
 $$;
 
 -- Create the resume run of a resolved wait, in the waiter's tree (FIFO slot

@@ -18,13 +18,25 @@ from yuxi.services import sessions
 JOB = "SELECT status::text FROM procrastinate.procrastinate_jobs WHERE id = %s"
 
 
-async def _announced(db_url, pool, scope) -> tuple[str, uuid.UUID, int, object]:
-    """An input to an idle session, and what `yuxi_ready` said of its run."""
+async def _announced(db_url, pool, scope, woken: list[str] | None = None,
+                     ) -> tuple[str, uuid.UUID, int, object]:
+    """An input to an idle session, and what `yuxi_ready` said of its run;
+    `woken` gets the channels of what Procrastinate's workers were sent
+    (their LISTEN on any queue) by the same commit."""
     session = await new_session(pool, scope)
     async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as listener:
         await listener.execute("LISTEN yuxi_ready")
+        await listener.execute("LISTEN procrastinate_any_queue_v1")
         receipt = await sessions.receive_input(pool, scope, session.id, content="q")
-        note = await anext(listener.notifies(timeout=5))
+        # One commit's notifications arrive in the order they were sent:
+        # the job's (its insert's trigger) before `yuxi_ready`.
+        notes = []
+        async for note in listener.notifies(timeout=5):
+            notes.append(note)
+            if note.channel == "yuxi_ready":
+                break
+    if woken is not None:
+        woken.extend(n.channel for n in notes if n.channel != "yuxi_ready")
     queue, run, job = note.payload.split()
     (ready,) = await runs_with_status(pool, "ready")
     assert uuid.UUID(run) == ready
@@ -228,18 +240,25 @@ async def test_while_a_claimer_listens_a_ready_run_s_job_waits_for_it(
     try:
         assert await ex.listener.ready()
         async with ex.slots:  # busy: it leaves the run to its job
-            _queue, run, job, _receipt = await _announced(db_url, pool, alice[1])
+            woken: list[str] = []
+            _queue, run, job, _receipt = await _announced(db_url, pool, alice[1], woken)
             assert await scalar(pool, SCHEDULED, (job,)) is True
+            # A job due later wakes no fetch (it would find nothing): the
+            # workers' polling finds it once it is due.
+            assert woken == []
     finally:
         await ex.close_claims()
 
 
 async def test_with_no_claimer_listening_the_job_is_due_at_once(db_url, pool, alice):
     # Negative case (YUXI_WORKER_CLAIMS=0, or no worker up): nothing would
-    # claim the run, so its job is not held back.
-    _queue, run, job, _receipt = await _announced(db_url, pool, alice[1])
+    # claim the run, so its job is not held back, and it wakes the workers'
+    # fetch at once.
+    woken: list[str] = []
+    _queue, run, job, _receipt = await _announced(db_url, pool, alice[1], woken)
     assert await scalar(pool, "SELECT scheduled_at FROM procrastinate.procrastinate_jobs "
                               "WHERE id = %s", (job,)) is None
+    assert woken == ["procrastinate_any_queue_v1"]
 
 
 async def test_the_claimers_of_a_host_queue_are_that_host_s(db_url, pool, checkpoint_pool,
