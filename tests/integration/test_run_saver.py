@@ -356,3 +356,40 @@ async def test_a_turns_first_run_reads_the_archive_with_the_checkpoint(
         assert len(archived) == 1 and archived[0] >= 2 and seen[-1][0] == "loop"
     assert [m["content"] for m in await conversation.messages(checkpoint_pool, session.id)
             if m["role"] == "human"] == ["one" if first == "completed" else "loop", "two"]
+
+
+@pytest.mark.parametrize("pending", [False, True], ids=["no pending writes", "pending writes"])
+async def test_a_read_checkpoint_is_langgraphs_tuple(checkpoint_pool, pending, monkeypatch):
+    # RunSaver builds a checkpoint without pending writes itself (LangGraph
+    # loads the writes in a thread); what it returns must not differ. With
+    # pending writes it is LangGraph's own path: each case is the other's
+    # reference.
+    from langgraph.checkpoint.base import empty_checkpoint
+    from langchain_core.messages import HumanMessage
+
+    thread = str(uuid.uuid4())
+    config = {"configurable": {"thread_id": thread, "checkpoint_ns": ""}}
+    async with checkpoint_pool.connection() as conn:
+        plain = AsyncPostgresSaver(conn)
+        first = empty_checkpoint()
+        first["channel_values"] = {"messages": [HumanMessage("hi", id="h")], "count": 3}
+        first["channel_versions"] = {"messages": "1", "count": "1"}
+        stored = await plain.aput(config, first, {"source": "input", "step": -1},
+                                  {"messages": "1", "count": "1"})
+        if pending:
+            await plain.aput_writes(stored, [("messages", [HumanMessage("later", id="l")])],
+                                    "task-1")
+        threaded = []
+        original = saver_module.AsyncPostgresSaver._load_checkpoint_tuple
+
+        async def spied(self, value):
+            threaded.append(bool(value["pending_writes"]))
+            return await original(self, value)
+
+        monkeypatch.setattr(saver_module.AsyncPostgresSaver, "_load_checkpoint_tuple", spied)
+        ours = await RunSaver(conn).aget_tuple(config)
+        monkeypatch.setattr(saver_module.AsyncPostgresSaver, "_load_checkpoint_tuple", original)
+        theirs = await plain.aget_tuple(config)
+    assert ours == theirs
+    assert bool(ours.pending_writes) is pending
+    assert threaded == ([True] if pending else [])

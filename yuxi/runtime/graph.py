@@ -116,7 +116,9 @@ async def _call_model(state: AgentState, config: RunnableConfig) -> dict[str, An
     return {"messages": [*arrived, answer]}
 
 
-def _route(state: AgentState, config: RunnableConfig) -> Any:
+async def _route(state: AgentState, config: RunnableConfig) -> Any:
+    # A coroutine: LangGraph runs a plain function of a conditional edge in a
+    # thread pool, a hop to a thread and back (two wake-ups) at every step.
     tools = _deps(config).tools
     last = state["messages"][-1]
     if isinstance(last, AIMessage) and last.tool_calls:

@@ -369,6 +369,24 @@ class RunSaver(AsyncPostgresSaver):
         self._reread = (key, found)
         return found, rows
 
+    async def _load_checkpoint_tuple(self, value: Any) -> CheckpointTuple:
+        """AsyncPostgresSaver's, except that a checkpoint without pending
+        writes (what a run reads, nearly always) is built here: LangGraph
+        loads the writes in a thread, a hop there and back (two wake-ups)
+        for an empty list."""
+        if value["pending_writes"]:
+            return await super()._load_checkpoint_tuple(value)
+        ids = {"thread_id": value["thread_id"], "checkpoint_ns": value["checkpoint_ns"]}
+        parent = value["parent_checkpoint_id"]
+        return CheckpointTuple(
+            {"configurable": {**ids, "checkpoint_id": value["checkpoint_id"]}},
+            {**value["checkpoint"],
+             "channel_values": {**(value["checkpoint"].get("channel_values") or {}),
+                                **self._load_blobs(value["channel_values"])}},
+            value["metadata"],
+            {"configurable": {**ids, "checkpoint_id": parent}} if parent else None,
+            [])
+
     async def aget_tuple(self, config):
         if self._empty and not self._held:
             return None
