@@ -300,7 +300,8 @@ $$;
 -- on the caller's host it is leased to the caller with that token (next_run)
 -- instead of being given a job: one commit and no queue round trip between a
 -- slot's runs; p_mark marks the caller's connection with its lease (as in
--- start_run_v1).
+-- start_run_v1), or, with no run to go on with, unmarks it: the worker
+-- hands it back without a round trip of its own.
 -- p_archive_*: the turn's messages (its checkpoint's, serialized), archived
 -- into yuxi.conversation in this transaction when the turn completes
 -- (sql/140_conversation.sql; the next turn's first run then only drops them
@@ -364,6 +365,8 @@ BEGIN
             PERFORM yuxi.mark_checkpoint_connection_v1(v_next::text, p_next_token::text);
         END IF;
         next_run := yuxi.leased_run_v1(v_next);
+    ELSIF p_mark THEN
+        PERFORM yuxi.mark_checkpoint_connection_v1('', '');
     END IF;
     outcome := 'completed';
 END;

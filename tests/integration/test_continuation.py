@@ -9,7 +9,7 @@ import uuid
 import pytest
 
 from tests.integration.helpers import (
-    checkpoint_reads, events, executor, new_session, rows, runs_with_status, scalar, say_agent)
+    checkpoint_reads, events, executor, new_session, rewrite_function, rows, runs_with_status, scalar, say_agent)
 from yuxi.runtime.saver import checkpoint_connection
 from yuxi.services import runs, sessions
 
@@ -263,3 +263,65 @@ async def test_without_the_carried_checkpoint_each_handed_over_turn_reads_it(
     reads = checkpoint_reads(monkeypatch)
     assert await executor(pool, checkpoint_pool).execute(first) == "completed"
     assert reads == [str(session.id)] * 2
+
+
+def _count_unmarks(monkeypatch) -> list[object]:
+    from yuxi.runtime import executor as executor_module, saver as saver_module
+
+    unmarked: list[object] = []
+    original = saver_module.unmark
+
+    async def counted(conn):
+        unmarked.append(conn)
+        await original(conn)
+
+    for module in (executor_module, saver_module):
+        monkeypatch.setattr(module, "unmark", counted)
+    return unmarked
+
+
+async def test_a_completion_with_nothing_to_go_on_with_unmarks_as_it_commits(
+        pool, checkpoint_pool, alice, monkeypatch):
+    # complete_run_v1 unmarks the connection in its own transaction when no
+    # run follows: the worker hands it back with no round trip of its own.
+    scope = alice[1]
+    session, receipts = await _queued(pool, scope, 1)
+    (first,) = await runs_with_status(pool, "ready")
+    unmarked = _count_unmarks(monkeypatch)
+    assert await executor(pool, checkpoint_pool).execute(first) == "completed"
+    assert unmarked == []
+    await _all_unmarked(checkpoint_pool)
+
+
+async def test_without_the_completions_unmark_the_connection_would_go_back_marked(
+        pool, checkpoint_pool, alice, monkeypatch):
+    # Negative case: a completion that leaves the mark, and a worker that
+    # trusts it did not, hand a marked connection back to the pool.
+    await rewrite_function(pool, "yuxi.complete_run_v1",
+                           "PERFORM yuxi.mark_checkpoint_connection_v1('', '');", "NULL;")
+    scope = alice[1]
+    session, receipts = await _queued(pool, scope, 1)
+    (first,) = await runs_with_status(pool, "ready")
+    assert await executor(pool, checkpoint_pool).execute(first) == "completed"
+    with pytest.raises(AssertionError):
+        await _all_unmarked(checkpoint_pool)
+
+
+async def test_a_run_that_fails_is_unmarked_by_its_worker(pool, checkpoint_pool, alice,
+                                                          monkeypatch):
+    # Any other end (here a failure) leaves the mark to the worker's own
+    # unmarking statement.
+    from yuxi.runtime import executor as executor_module
+
+    scope = alice[1]
+    session, receipts = await _queued(pool, scope, 1)
+    (first,) = await runs_with_status(pool, "ready")
+
+    async def broken(*args, **kwargs):
+        raise RuntimeError("the model broke")
+
+    monkeypatch.setattr(executor_module, "drive", broken)
+    unmarked = _count_unmarks(monkeypatch)
+    assert await executor(pool, checkpoint_pool).execute(first) == "failed"
+    assert len(unmarked) == 1
+    await _all_unmarked(checkpoint_pool)

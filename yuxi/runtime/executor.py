@@ -516,10 +516,14 @@ class RunExecutor:
                 # Not taken, not marked (a claim another worker won, a stale
                 # job): the connection goes back as it came, no round trip.
                 return "skipped"
-            async with unmarked_after(conn):
+            outcome: str | None = None
+            async with unmarked_after(conn, unless=lambda: outcome == "completed"):
                 for left in range(self.max_continued_runs, -1, -1):
+                    outcome = None  # until this run's own outcome
                     outcome, following = await self._measured(run, token, conn, left > 0)
                     if following is None:
+                        # A completion with no run to go on with unmarked
+                        # the connection as it committed (complete_run_v1).
                         return outcome
                     log.debug("run %s: %s; going on with run %s", run["id"], outcome,
                               following[0]["id"])

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NamedTuple, TypeVar
 
 import psycopg
@@ -46,16 +46,19 @@ async def checkpoint_connection(pool: AsyncConnectionPool) -> AsyncIterator[Asyn
 
 
 @contextlib.asynccontextmanager
-async def unmarked_after(conn: AsyncConnection) -> AsyncIterator[None]:
+async def unmarked_after(conn: AsyncConnection, *,
+                         unless: Callable[[], bool] = lambda: False) -> AsyncIterator[None]:
     """Unmark `conn` (a checkpoint pool's, marked by a lease taken on it) at
-    the end of the block. A connection that cannot be unmarked is closed,
-    never handed back marked: a write cancelled mid-query (a parallel tool
-    call stopped by a cancel) leaves it broken, and that must not change the
-    run's outcome."""
+    the end of the block, `unless` the block's last statement did (a
+    completion with no run to go on with). A connection that cannot be
+    unmarked is closed, never handed back marked: a write cancelled
+    mid-query (a parallel tool call stopped by a cancel) leaves it broken,
+    and that must not change the run's outcome."""
     try:
         yield
     finally:
-        await unmark(conn)
+        if not unless():
+            await unmark(conn)
 
 
 async def unmark(conn: AsyncConnection) -> None:
