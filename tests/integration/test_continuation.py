@@ -221,13 +221,13 @@ async def test_a_lease_whose_answer_is_lost_never_leaves_its_connection_marked(
     scope = alice[1]
     session, receipts = await _queued(pool, scope, 1)
     (first,) = await runs_with_status(pool, "ready")
-    real_start = runs.start_run
+    real_start = runs.start_run_reading
 
     async def committed_then_cancelled(*args, **kwargs):
         await real_start(*args, **kwargs)
         raise asyncio.CancelledError
 
-    monkeypatch.setattr(executor_module.runs, "start_run", committed_then_cancelled)
+    monkeypatch.setattr(executor_module.runs, "start_run_reading", committed_then_cancelled)
     with pytest.raises(asyncio.CancelledError):
         await executor(pool, checkpoint_pool).execute(first)
     await _all_unmarked(checkpoint_pool)

@@ -282,18 +282,36 @@ async def _two_turns(pool, checkpoint_pool, scope):
     return session
 
 
-async def test_a_sessions_first_run_skips_the_checkpoint_read(
+async def test_a_runs_first_read_comes_with_its_lease(
         pool, checkpoint_pool, alice, monkeypatch):
     reads = checkpoint_reads(monkeypatch)
     seen = spy_model_calls(monkeypatch)
     session = await _two_turns(pool, checkpoint_pool, alice[1])
-    # The first turn's run knew there was nothing to read; the second read
-    # once (what an earlier turn left in the checkpoint, and LangGraph's start).
-    assert reads == [str(session.id)]
+    # No run read the checkpoint in a round trip of its own: the first
+    # turn's thread had none; the second turn's run read it (what the earlier
+    # turn left there, and LangGraph's start) and the archive in its lease's
+    # round trip (runs.start_run_reading).
+    assert reads == []
     assert seen == [["one"], ["one", "answer to one", "two"]]
     assert [(m["role"], m["content"]) for m in
             await conversation.messages(checkpoint_pool, session.id)] == [
         ("human", "one"), ("ai", "answer to one"), ("human", "two"), ("ai", "answer to two")]
+
+
+async def test_without_the_leases_read_a_later_turn_reads_its_checkpoint(
+        pool, checkpoint_pool, alice, monkeypatch):
+    # Negative case: what the lease read is not used; the second turn's run
+    # reads the checkpoint with the archive (one round trip of its own) and
+    # sees the same conversation.
+    async def unknown(self, thread_id, row):
+        return False
+
+    monkeypatch.setattr(RunSaver, "know_latest", unknown)
+    reads = checkpoint_reads(monkeypatch)
+    seen = spy_model_calls(monkeypatch)
+    session = await _two_turns(pool, checkpoint_pool, alice[1])
+    assert reads == [str(session.id)]
+    assert seen == [["one"], ["one", "answer to one", "two"]]
 
 
 async def test_only_the_first_run_of_the_first_turn_is_first(pool, checkpoint_pool, alice):
@@ -320,8 +338,15 @@ async def test_only_the_first_run_of_the_first_turn_is_first(pool, checkpoint_po
 async def test_without_the_first_turn_check_a_later_turn_would_lose_its_history(
         pool, checkpoint_pool, alice, monkeypatch):
     # Negative: every attempt-1 run taken for the session's first: the second
-    # turn's model would not see the first turn.
+    # turn's model would not see the first turn. (Where the lease read the
+    # checkpoint, that read knows better; the flag is what a run handed over
+    # from another session's completion goes by: no read with the lease.)
     await rewrite_function(pool, "yuxi.leased_run_v1", "p.seq < t.seq", "false")
+
+    async def unknown(self, thread_id, row):
+        return False
+
+    monkeypatch.setattr(RunSaver, "know_latest", unknown)
     seen = spy_model_calls(monkeypatch)
     await _two_turns(pool, checkpoint_pool, alice[1])
     assert seen == [["one"], ["two"]]

@@ -34,7 +34,7 @@ from yuxi.runtime.group_commit import GroupCommit
 from yuxi.runtime.live import CallCancelled, WorkerListener, DeltaBatcher
 from yuxi.runtime.models import build_chat_model
 from yuxi.runtime.providers import configured_providers
-from yuxi.runtime.saver import RunSaver, unmark, unmarked_after
+from yuxi.runtime.saver import LATEST_OF_RUN, RunSaver, unmark, unmarked_after
 from yuxi.runtime import confine, cooperation, questions, sandbox_tools  # noqa: F401  (tool registration)
 from yuxi.runtime.tools import ToolContext, available_tools
 from yuxi.services import conversation, resources, runs, sandbox
@@ -270,12 +270,14 @@ class TurnConversation:
     archive and the checkpoint now; the run then reads and writes neither."""
 
     def __init__(self, conn: psycopg.AsyncConnection, run: dict[str, Any],
-                 token: uuid.UUID, carry: Carry | None = None) -> None:
+                 token: uuid.UUID, carry: Carry | None = None,
+                 archive: list[dict[str, Any]] | None = None) -> None:
         self.conn, self.run, self.token, self.carry = conn, run, token, carry
         self.loaded = False
         self.history: list[Any] = []
-        # The archive's rows, read with the checkpoint (earlier_messages).
-        self._archive: list[dict[str, Any]] | None = None
+        # The archive's rows, read with the checkpoint (earlier_messages), or
+        # with the lease (`archive`, with the checkpoint the saver knows).
+        self._archive: list[dict[str, Any]] | None = archive
         # The checkpoint's messages when the graph last returned.
         self.final: list[Any] = []
 
@@ -288,10 +290,12 @@ class TurnConversation:
             return list(self.carry.messages)
         config = {"configurable": {**cfg["configurable"], "checkpoint_ns": ""}}
         saver = graph.checkpointer
-        if isinstance(saver, RunSaver):  # with the archive, in one round trip
-            found, self._archive = await saver.aget_tuple_with(
-                config, db.QUERIES["conversation_history"],
-                {"session_id": self.run["session_id"]})
+        if isinstance(saver, RunSaver):
+            known, found = saver.known_latest(config)
+            if not known or self._archive is None:  # both, in one round trip
+                found, self._archive = await saver.aget_tuple_with(
+                    config, db.QUERIES["conversation_history"],
+                    {"session_id": self.run["session_id"]})
         else:
             found = await saver.aget_tuple(config)
         return list(found.checkpoint["channel_values"].get("messages", [])) if found else None
@@ -331,6 +335,24 @@ class Carry(NamedTuple):
 
 # Where a handed-over run's dict holds its Carry.
 CARRY = "_conversation"
+
+
+class LeaseReads(NamedTuple):
+    """What a run reads first, read in its lease's round trip
+    (runs.start_run_reading): its thread's latest checkpoint (a row of
+    LATEST_OF_RUN, or None) and its session's archive."""
+
+    checkpoint: dict[str, Any] | None
+    archive: list[dict[str, Any]]
+
+
+# Where a run's dict holds its LeaseReads.
+READ = "_read"
+
+
+def lease_reads(run_id: uuid.UUID) -> list[tuple[str, Any]]:
+    return [(LATEST_OF_RUN, (run_id,)),
+            (db.QUERIES["conversation_history_of_run"], {"run_id": run_id})]
 
 def carried_checkpoint(run: dict[str, Any]) -> Any:
     carry = run.get(CARRY)
@@ -506,9 +528,10 @@ class RunExecutor:
         # marks it for the checkpointer (start_run_v1, complete_run_v1).
         async with self.checkpoint_pool.connection() as conn:
             try:
-                run = await runs.start_run(conn, run_id, token, self.settings.lease_seconds,
-                                           mark=True, host=self.settings.host_id,
-                                           job_id=job_id)
+                # With what the run reads first: one round trip for both.
+                run, (latest, archive) = await runs.start_run_reading(
+                    conn, run_id, token, self.settings.lease_seconds, lease_reads(run_id),
+                    mark=True, host=self.settings.host_id, job_id=job_id)
             except BaseException:
                 await unmark(conn)  # whether or not the lease committed
                 raise
@@ -516,6 +539,7 @@ class RunExecutor:
                 # Not taken, not marked (a claim another worker won, a stale
                 # job): the connection goes back as it came, no round trip.
                 return "skipped"
+            run[READ] = LeaseReads(latest[0] if latest else None, archive)
             outcome: str | None = None
             async with unmarked_after(conn, unless=lambda: outcome == "completed"):
                 for left in range(self.max_continued_runs, -1, -1):
@@ -675,9 +699,13 @@ class RunExecutor:
         try:
             # `conn` is marked with this run's lease (by its start or by the
             # completion that handed it over).
-            return await self._drive_turn(run, token, visible, box,
-                                          RunSaver(conn, empty=bool(run.get("first_run")),
-                                                   latest=carried_checkpoint(run)),
+            saver = RunSaver(conn, empty=bool(run.get("first_run")),
+                             latest=carried_checkpoint(run))
+            read = run.get(READ)
+            if read is not None and not await saver.know_latest(str(run["session_id"]),
+                                                               read.checkpoint):
+                run[READ] = None
+            return await self._drive_turn(run, token, visible, box, saver,
                                           go_on, deltas=deltas, in_flight=in_flight)
         finally:
             if box is not None:
@@ -691,7 +719,9 @@ class RunExecutor:
                                  in_flight=in_flight)
         extra: list[Any] = []
         resume = run.get("resume")
-        conv = TurnConversation(saver.conn, run, token, run.get(CARRY))
+        read = run.get(READ)
+        conv = TurnConversation(saver.conn, run, token, run.get(CARRY),
+                                archive=read.archive if read is not None else None)
         while True:
             try:
                 answer, delivered = await drive(graph, cfg, run, extra, resume, conv=conv)

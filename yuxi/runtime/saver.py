@@ -121,6 +121,14 @@ def latest_only(ops: list[Op]) -> list[Op]:
     return kept
 
 
+# LangGraph's read of a thread's latest checkpoint (aget_tuple without a
+# checkpoint id), for the session of a run: read with the run's lease, in
+# the lease's round trip (yuxi.services.runs.start_run_reading).
+LATEST_OF_RUN = (AsyncPostgresSaver.SELECT_SQL
+                 + "WHERE thread_id = (SELECT session_id::text FROM yuxi.runs WHERE id = %s) "
+                   "AND checkpoint_ns = '' ORDER BY checkpoint_id DESC LIMIT 1")
+
+
 class RunSaver(AsyncPostgresSaver):
     """The checkpointer of a run: LangGraph's Postgres saver, except that
     writes which nothing can run after are held back and go out with the
@@ -389,6 +397,27 @@ class RunSaver(AsyncPostgresSaver):
             value["metadata"],
             {"configurable": {**ids, "checkpoint_id": parent}} if parent else None,
             [])
+
+    async def know_latest(self, thread_id: str, row: dict[str, Any] | None) -> bool:
+        """The thread's latest checkpoint as a read of LATEST_OF_RUN found it
+        (`row`, None: the thread has none) under this run's lease: LangGraph's
+        first read of it is answered from it, without a round trip. False
+        (nothing known) for a checkpoint LangGraph migrates as it reads."""
+        if row is not None and row["checkpoint"]["v"] < 4:
+            return False  # (pending sends to migrate: LangGraph's own read)
+        found = None if row is None else await self._load_checkpoint_tuple(row)
+        self._reread = ((thread_id, "", None), found)
+        return True
+
+    def known_latest(self, config) -> tuple[bool, CheckpointTuple | None]:
+        """(True, the thread's latest checkpoint) when this saver knows it
+        without a read (know_latest, or a carried one), without using it up
+        for LangGraph's read; (False, None) otherwise."""
+        c = config["configurable"]
+        key = (c.get("thread_id"), c.get("checkpoint_ns", ""), None)
+        if self._reread is not None and self._reread[0] == key and not self._held:
+            return True, self._reread[1]
+        return False, None
 
     async def aget_tuple(self, config):
         if self._empty and not self._held:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from psycopg import AsyncConnection
+from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
@@ -29,6 +31,28 @@ async def start_run(
         if job_id is None:
             return await db.fetch_one(conn, "start_run", params)
         return await db.fetch_one(conn, "claim_run", {**params, "job_id": job_id})
+
+
+async def start_run_reading(
+    conn: AsyncConnection, run_id: uuid.UUID, token: uuid.UUID, lease_seconds: float,
+    reads: Sequence[tuple[str, Any]], *, mark: bool = False, host: str | None = None,
+    job_id: int | None = None,
+) -> tuple[dict[str, Any] | None, list[list[dict[str, Any]]]]:
+    """`start_run`, and `reads` ((query, params), run in binary) after it in
+    the same round trip (one pipeline): what the run reads first, known by
+    the run's id alone. Their rows are worth nothing when no run is
+    returned."""
+    params = {"run_id": run_id, "token": token, "lease_seconds": lease_seconds, "mark": mark,
+              "host": host}
+    query, params = (("start_run", params) if job_id is None
+                     else ("claim_run", {**params, "job_id": job_id}))
+    with db.domain_errors():
+        async with conn.pipeline():
+            lease = await conn.execute(db.QUERIES[query], params)
+            cursors = [await conn.cursor(binary=True, row_factory=dict_row).execute(
+                           q, p, binary=True) for q, p in reads]
+        run = await lease.fetchone()
+        return run, [await cur.fetchall() for cur in cursors]
 
 
 async def heartbeat(
