@@ -57,6 +57,12 @@ BEGIN
     VALUES (p_tree, v_seq, v_tree.user_id, v_tree.app_id, p_session, p_turn, p_run,
             p_type, coalesce(p_data, '{}'), p_dedupe_key);
     PERFORM pg_notify('yuxi_events', p_tree::text);
+    IF p_type IN ('turn.completed', 'turn.failed', 'turn.cancelled') THEN
+        -- Who waits for a turn's end (`?wait` of an input or a result) is
+        -- woken by the turn's own notification, not by each commit of its
+        -- tree.
+        PERFORM pg_notify('yuxi_turns', p_turn::text);
+    END IF;
     -- Facts that waits look at wake them in this same transaction.
     IF p_type IN ('turn.completed', 'turn.failed', 'turn.cancelled', 'turn.waiting',
                   'turn.waiting_user', 'message.sent') THEN

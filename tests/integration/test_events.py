@@ -97,3 +97,26 @@ def test_event_type_shape_is_checked(postgresql, bad_type):
     with pytest.raises(psycopg.errors.CheckViolation, match="events_type_shape"):
         postgresql.execute("SELECT yuxi.emit_event_v1(%s, %s, NULL, NULL, %s, '{}', NULL)",
                            (tree, root, bad_type))
+
+
+EMIT_TURN = "SELECT yuxi.emit_event_v1(%s, %s, %s, NULL, %s, '{}', NULL)"
+
+
+@pytest.mark.parametrize("end", ["turn.completed", "turn.failed", "turn.cancelled"])
+def test_a_turns_end_notifies_its_turn_after_commit(db_url, postgresql, end):
+    # Who waits for a turn's end is woken by that turn's own notification
+    # (`yuxi_turns`); other events of the tree, and other turns' starts, send
+    # none.
+    import uuid
+
+    tree, (root,) = make_tree(postgresql, 1)
+    postgresql.commit()
+    ended, started = uuid.uuid4(), uuid.uuid4()
+    with psycopg.connect(db_url, autocommit=True) as listener, psycopg.connect(db_url) as writer:
+        listener.execute("LISTEN yuxi_turns")
+        writer.execute(EMIT, (tree, root, None))
+        writer.execute(EMIT_TURN, (tree, root, started, "turn.started"))
+        writer.execute(EMIT_TURN, (tree, root, ended, end))
+        assert list(listener.notifies(timeout=0.2)) == []  # nothing before commit
+        writer.commit()
+        assert [n.payload for n in listener.notifies(timeout=0.5)] == [str(ended)]

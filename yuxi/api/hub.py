@@ -1,10 +1,12 @@
-"""One LISTEN connection per API process, fanned out to SSE subscribers.
+"""One LISTEN connection per API process, fanned out to SSE subscribers
+and to requests waiting for a turn's end.
 
-NOTIFY payloads carry the tree id only (one per transaction); a woken tree
-feed (yuxi.api.feed) re-reads the events table after its high-water mark, so
-a lost or collapsed notification costs latency, never an event. After a
-(re)connect every feed is woken, since notifications sent while disconnected
-are gone.
+`yuxi_events` payloads carry the tree id only (one per transaction); a
+woken tree feed (yuxi.api.feed) re-reads the events table after its
+high-water mark, so a lost or collapsed notification costs latency, never an
+event. `yuxi_turns` payloads are the ids of turns that ended (completed,
+failed, cancelled); a woken waiter reads its turn. After a (re)connect every
+subscriber is woken, since notifications sent while disconnected are gone.
 """
 
 from __future__ import annotations
@@ -17,10 +19,15 @@ import time
 from collections import defaultdict
 
 import msgspec
+from psycopg.conninfo import make_conninfo
 
 from yuxi import db
 
 CHANNEL = "yuxi_events"
+TURN_CHANNEL = "yuxi_turns"
+# The LISTEN connection's application_name: operators count the API
+# processes listening in pg_stat_activity (docs/operator-guide.md).
+LISTENER_NAME = "yuxi-events"
 # Ephemeral text deltas of streaming models (yuxi.runtime.live): fanned out
 # as they come, never stored; a slow subscriber drops the oldest.
 DELTA_CHANNEL = "yuxi_deltas"
@@ -34,6 +41,7 @@ class EventHub:
         self.poll_seconds = poll_seconds
         self.connected = False
         self._subscribers: dict[str, set[asyncio.Event]] = defaultdict(set)
+        self._turn_subscribers: dict[str, set[asyncio.Event]] = defaultdict(set)
         self._delta_subscribers: dict[str, dict[int, tuple[collections.deque, asyncio.Event]]] = \
             defaultdict(dict)
         self._task: asyncio.Task | None = None
@@ -52,16 +60,14 @@ class EventHub:
     @contextlib.contextmanager
     def subscribe(self, tree_id: str):
         """An Event set whenever the tree may have new events."""
-        wake = asyncio.Event()
-        self._subscribers[tree_id].add(wake)
-        try:
+        with _member(self._subscribers, tree_id) as wake:
             yield wake
-        finally:
-            members = self._subscribers.get(tree_id)
-            if members is not None:
-                members.discard(wake)
-                if not members:
-                    del self._subscribers[tree_id]
+
+    @contextlib.contextmanager
+    def subscribe_turn(self, turn_id: str):
+        """An Event set when the turn may have ended."""
+        with _member(self._turn_subscribers, turn_id) as wake:
+            yield wake
 
     @contextlib.contextmanager
     def subscribe_deltas(self, tree_id: str, wake: asyncio.Event):
@@ -95,13 +101,17 @@ class EventHub:
             wake.set()
 
     def _wake_all(self) -> None:
-        for members in self._subscribers.values():
-            for wake in members:
-                wake.set()
+        for subscribers in (self._subscribers, self._turn_subscribers):
+            for members in subscribers.values():
+                for wake in members:
+                    wake.set()
 
     def _note(self, note) -> None:
         if note.channel == DELTA_CHANNEL:
             self._delta(note.payload)
+        elif note.channel == TURN_CHANNEL:
+            for wake in self._turn_subscribers.get(note.payload, ()):
+                wake.set()
         else:
             self._wake(note.payload.partition(" ")[0])
 
@@ -113,6 +123,22 @@ class EventHub:
         self.connected = False
 
     async def _listen_forever(self) -> None:
-        await db.listen_forever(self.url, (CHANNEL, DELTA_CHANNEL), self._note,
+        url = make_conninfo(self.url, application_name=LISTENER_NAME)
+        await db.listen_forever(url, (CHANNEL, TURN_CHANNEL, DELTA_CHANNEL), self._note,
                                 what="event listener", on_connect=self._connected,
                                 on_disconnect=self._disconnected, poll_seconds=self.poll_seconds)
+
+
+@contextlib.contextmanager
+def _member(subscribers: dict[str, set[asyncio.Event]], key: str):
+    """A new Event in `subscribers[key]` for the block."""
+    wake = asyncio.Event()
+    subscribers[key].add(wake)
+    try:
+        yield wake
+    finally:
+        members = subscribers.get(key)
+        if members is not None:
+            members.discard(wake)
+            if not members:
+                del subscribers[key]

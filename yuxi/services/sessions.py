@@ -242,14 +242,14 @@ MAX_WAIT_SECONDS = 60.0
 async def wait_result(pool: AsyncConnectionPool, hub: Any, scope: Scope, turn_id: uuid.UUID,
                       wait: float) -> TurnResult:
     """The turn's result as soon as it is terminal, or as it stands after
-    `wait` seconds (at most 60). Woken by the tree's event notifications
-    (the API process's one LISTEN connection), never by polling."""
-    row = await _result_row(pool, scope, turn_id)
-    if row["status"] in TERMINAL_TURN or wait <= 0:
-        return from_row(TurnResult, row)
+    `wait` seconds (at most 60). Woken by the notification of the turn's end
+    (`yuxi_turns`, on the API process's one LISTEN connection), never by
+    polling: one read before waiting and one after."""
+    if wait <= 0:
+        return from_row(TurnResult, await _result_row(pool, scope, turn_id))
     loop = asyncio.get_running_loop()
     deadline = loop.time() + min(wait, MAX_WAIT_SECONDS)
-    with hub.subscribe(str(row["tree_id"])) as wake:
+    with hub.subscribe_turn(str(turn_id)) as wake:
         while True:
             wake.clear()  # before reading: a NOTIFY during the read wakes us again
             row = await _result_row(pool, scope, turn_id)
