@@ -120,8 +120,7 @@ FROM yuxi.runs WHERE turn_id = %(turn_id)s
 ORDER BY slot_seq;
 
 -- name: turn_result
--- tree_id: what a blocking read (?wait) subscribes to, in the same read.
-SELECT t.id AS turn_id, t.tree_id, t.status, t.result_run_id AS run_id, r.output,
+SELECT t.id AS turn_id, t.status, t.result_run_id AS run_id, r.output,
        coalesce(r.error, t.error) AS error
 FROM yuxi.turns t
 LEFT JOIN yuxi.runs r ON r.id = t.result_run_id AND r.turn_id = t.id
