@@ -326,3 +326,28 @@ def test_delay_sync():
 def test_bind_tools_returns_the_model():
     m = model({})
     assert m.bind_tools([{"name": "t", "description": "d", "parameters": {}}]) is m
+
+
+async def test_callbacks_get_the_model_without_its_script():
+    # LangChain hands callbacks `_serialized` at every call; its default
+    # (dumpd) writes the model out through repr, the script included, for
+    # each run's new model. Ours names the class only, and callbacks still
+    # see each call.
+    from langchain_core.callbacks import AsyncCallbackHandler
+
+    seen: list[dict] = []
+
+    class Seen(AsyncCallbackHandler):
+        async def on_chat_model_start(self, serialized, messages, **kwargs):
+            seen.append(serialized)
+
+    secret_rule = "a rule nobody should see in a trace " * 20
+    model = ReplayChatModel(script={"rules": [{"match": "^zz", "steps": [
+        {"say": secret_rule}]}], "default": [{"say": "hi"}]})
+    await model.ainvoke([HumanMessage("q")], {"callbacks": [Seen()]})
+    assert len(seen) == 1 and seen[0]["id"][-1] == "ReplayChatModel"
+    assert "nobody should see" not in str(seen[0])
+    # The negative: LangChain's own form holds the script.
+    from langchain_core.load import dumpd
+
+    assert "nobody should see" in str(dumpd(model))
