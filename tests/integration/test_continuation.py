@@ -22,17 +22,19 @@ async def _jobs(pool) -> list[str]:
 
 
 async def _queued(pool, scope, n: int):
+    """A session with `n` queued inputs: the session, the receipts and the
+    ready run of the first."""
     session = await new_session(pool, scope, say_agent("answer to {{ input }}"))
     receipts = [await sessions.receive_input(pool, scope, session.id, content=f"q{i}", mode="queue")
                 for i in range(n)]
-    return session, receipts
+    (first,) = await runs_with_status(pool, "ready")
+    return session, receipts, first
 
 
 async def test_the_worker_goes_on_with_the_next_queued_turn_without_a_job(
         pool, checkpoint_pool, alice):
     scope = alice[1]
-    session, receipts = await _queued(pool, scope, 3)
-    (first,) = await runs_with_status(pool, "ready")
+    session, receipts, first = await _queued(pool, scope, 3)
     assert await _jobs(pool) == [str(first)]
     assert await executor(pool, checkpoint_pool).execute(first) == "completed"
     for i, receipt in enumerate(receipts):
@@ -54,8 +56,7 @@ async def test_without_hand_over_the_next_turn_gets_a_job(pool, checkpoint_pool,
     # Negative case: with no continuation allowed, completing defers a job for
     # the next turn (as fail, cancel and recovery always do).
     scope = alice[1]
-    session, receipts = await _queued(pool, scope, 2)
-    (first,) = await runs_with_status(pool, "ready")
+    session, receipts, first = await _queued(pool, scope, 2)
     assert await executor(pool, checkpoint_pool, continued_runs=0).execute(first) == "completed"
     (second,) = await runs_with_status(pool, "ready")
     assert await _jobs(pool) == [str(first), str(second)]
@@ -63,8 +64,7 @@ async def test_without_hand_over_the_next_turn_gets_a_job(pool, checkpoint_pool,
 
 async def test_continuation_is_bounded_per_job(pool, checkpoint_pool, alice):
     scope = alice[1]
-    session, receipts = await _queued(pool, scope, 4)
-    (first,) = await runs_with_status(pool, "ready")
+    session, receipts, first = await _queued(pool, scope, 4)
     assert await executor(pool, checkpoint_pool, continued_runs=1).execute(first) == "completed"
     statuses = [(await sessions.get_turn(pool, scope, r.turn_id)).status for r in receipts]
     assert statuses == ["completed", "completed", "running", "queued"]
@@ -76,8 +76,7 @@ async def test_a_handed_over_run_whose_worker_died_is_recovered(pool, checkpoint
     # The worker commits the hand-over and dies before executing the next run:
     # it is a leased run like any other, so lease expiry recovers it.
     scope = alice[1]
-    session, receipts = await _queued(pool, scope, 2)
-    (first,) = await runs_with_status(pool, "ready")
+    session, receipts, first = await _queued(pool, scope, 2)
     token, next_token = uuid.uuid4(), uuid.uuid4()
     assert await runs.start_run(pool, first, token, 30) is not None
     outcome, following = await runs.complete(pool, first, token, {"text": "one"},
@@ -103,8 +102,7 @@ async def test_the_next_turn_never_jumps_the_tree_fifo(pool, checkpoint_pool, al
     # the freed slot is the member's (handed over to the completing worker),
     # and the session's next turn waits in the FIFO behind it.
     scope = alice[1]
-    session, receipts = await _queued(pool, scope, 2)
-    (first,) = await runs_with_status(pool, "ready")
+    session, receipts, first = await _queued(pool, scope, 2)
     token, next_token = uuid.uuid4(), uuid.uuid4()
     assert await runs.start_run(pool, first, token, 30) is not None
     await scalar(pool, "UPDATE yuxi.trees SET slot_capacity = 1 WHERE id = %s RETURNING id",
@@ -134,8 +132,7 @@ async def test_start_and_hand_over_mark_the_checkpoint_connection(
     # needs no separate round trip, and the connection always carries the
     # lease of the run it writes for.
     scope = alice[1]
-    session, receipts = await _queued(pool, scope, 2)
-    (first,) = await runs_with_status(pool, "ready")
+    session, receipts, first = await _queued(pool, scope, 2)
     token, next_token = uuid.uuid4(), uuid.uuid4()
     async with checkpoint_connection(checkpoint_pool) as conn:
         assert await _marks(conn) == ("", "")
@@ -153,8 +150,7 @@ async def test_without_mark_the_connection_keeps_no_lease(pool, checkpoint_pool,
     # was; the fence triggers then see no run (see test_leases for what a
     # marked connection refuses).
     scope = alice[1]
-    session, receipts = await _queued(pool, scope, 1)
-    (first,) = await runs_with_status(pool, "ready")
+    session, receipts, first = await _queued(pool, scope, 1)
     async with checkpoint_connection(checkpoint_pool) as conn:
         assert await runs.start_run(conn, first, uuid.uuid4(), 30) is not None
         assert await _marks(conn) == ("", "")
@@ -166,8 +162,7 @@ async def test_a_broken_checkpoint_connection_is_dropped_without_an_error(
     # cancel) breaks the connection: handing it back must not raise over the
     # run's outcome, and it is never reused marked.
     scope = alice[1]
-    session, receipts = await _queued(pool, scope, 1)
-    (first,) = await runs_with_status(pool, "ready")
+    session, receipts, first = await _queued(pool, scope, 1)
     async with checkpoint_connection(checkpoint_pool) as conn:
         assert await runs.start_run(conn, first, uuid.uuid4(), 30, mark=True) is not None
         await conn.close()
@@ -186,16 +181,9 @@ async def _all_unmarked(checkpoint_pool) -> None:
             await checkpoint_pool.putconn(conn)
 
 
-async def test_a_skipped_run_hands_its_connection_back_without_a_round_trip(
-        pool, checkpoint_pool, alice, monkeypatch):
-    # A run another worker took (a claim lost, a stale job) marked nothing:
-    # its connection goes back as it came, with no unmarking statement.
+def _count_unmarks(monkeypatch) -> list[object]:
     from yuxi.runtime import executor as executor_module, saver as saver_module
 
-    scope = alice[1]
-    session, receipts = await _queued(pool, scope, 1)
-    (first,) = await runs_with_status(pool, "ready")
-    assert await runs.start_run(pool, first, uuid.uuid4(), 30) is not None  # taken
     unmarked: list[object] = []
     original = saver_module.unmark
 
@@ -205,6 +193,17 @@ async def test_a_skipped_run_hands_its_connection_back_without_a_round_trip(
 
     for module in (executor_module, saver_module):
         monkeypatch.setattr(module, "unmark", counted)
+    return unmarked
+
+
+async def test_a_skipped_run_hands_its_connection_back_without_a_round_trip(
+        pool, checkpoint_pool, alice, monkeypatch):
+    # A run another worker took (a claim lost, a stale job) marked nothing:
+    # its connection goes back as it came, with no unmarking statement.
+    scope = alice[1]
+    session, receipts, first = await _queued(pool, scope, 1)
+    assert await runs.start_run(pool, first, uuid.uuid4(), 30) is not None  # taken
+    unmarked = _count_unmarks(monkeypatch)
     assert await executor(pool, checkpoint_pool).execute(first) == "skipped"
     assert unmarked == []
     await _all_unmarked(checkpoint_pool)
@@ -219,8 +218,7 @@ async def test_a_lease_whose_answer_is_lost_never_leaves_its_connection_marked(
     from yuxi.runtime import executor as executor_module
 
     scope = alice[1]
-    session, receipts = await _queued(pool, scope, 1)
-    (first,) = await runs_with_status(pool, "ready")
+    session, receipts, first = await _queued(pool, scope, 1)
     real_start = runs.start_run_reading
 
     async def committed_then_cancelled(*args, **kwargs):
@@ -239,8 +237,7 @@ async def test_a_handed_over_turn_starts_from_the_checkpoint_its_worker_wrote(
     # from the checkpoint the same worker just committed (the lease left no
     # gap for another writer) and reads none; its conversation is whole.
     scope = alice[1]
-    session, receipts = await _queued(pool, scope, 3)
-    (first,) = await runs_with_status(pool, "ready")
+    session, receipts, first = await _queued(pool, scope, 3)
     reads = checkpoint_reads(monkeypatch)
     assert await executor(pool, checkpoint_pool).execute(first) == "completed"
     assert reads == []
@@ -257,27 +254,11 @@ async def test_without_the_carried_checkpoint_each_handed_over_turn_reads_it(
     from yuxi.runtime.saver import RunSaver
 
     scope = alice[1]
-    session, receipts = await _queued(pool, scope, 3)
-    (first,) = await runs_with_status(pool, "ready")
+    session, receipts, first = await _queued(pool, scope, 3)
     monkeypatch.setattr(RunSaver, "latest_tuple", lambda self: None)
     reads = checkpoint_reads(monkeypatch)
     assert await executor(pool, checkpoint_pool).execute(first) == "completed"
     assert reads == [str(session.id)] * 2
-
-
-def _count_unmarks(monkeypatch) -> list[object]:
-    from yuxi.runtime import executor as executor_module, saver as saver_module
-
-    unmarked: list[object] = []
-    original = saver_module.unmark
-
-    async def counted(conn):
-        unmarked.append(conn)
-        await original(conn)
-
-    for module in (executor_module, saver_module):
-        monkeypatch.setattr(module, "unmark", counted)
-    return unmarked
 
 
 async def test_a_completion_with_nothing_to_go_on_with_unmarks_as_it_commits(
@@ -285,8 +266,7 @@ async def test_a_completion_with_nothing_to_go_on_with_unmarks_as_it_commits(
     # complete_run_v1 unmarks the connection in its own transaction when no
     # run follows: the worker hands it back with no round trip of its own.
     scope = alice[1]
-    session, receipts = await _queued(pool, scope, 1)
-    (first,) = await runs_with_status(pool, "ready")
+    session, receipts, first = await _queued(pool, scope, 1)
     unmarked = _count_unmarks(monkeypatch)
     assert await executor(pool, checkpoint_pool).execute(first) == "completed"
     assert unmarked == []
@@ -300,8 +280,7 @@ async def test_without_the_completions_unmark_the_connection_would_go_back_marke
     await rewrite_function(pool, "yuxi.complete_run_v1",
                            "PERFORM yuxi.mark_checkpoint_connection_v1('', '');", "NULL;")
     scope = alice[1]
-    session, receipts = await _queued(pool, scope, 1)
-    (first,) = await runs_with_status(pool, "ready")
+    session, receipts, first = await _queued(pool, scope, 1)
     assert await executor(pool, checkpoint_pool).execute(first) == "completed"
     with pytest.raises(AssertionError):
         await _all_unmarked(checkpoint_pool)
@@ -314,8 +293,7 @@ async def test_a_run_that_fails_is_unmarked_by_its_worker(pool, checkpoint_pool,
     from yuxi.runtime import executor as executor_module
 
     scope = alice[1]
-    session, receipts = await _queued(pool, scope, 1)
-    (first,) = await runs_with_status(pool, "ready")
+    session, receipts, first = await _queued(pool, scope, 1)
 
     async def broken(*args, **kwargs):
         raise RuntimeError("the model broke")
