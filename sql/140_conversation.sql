@@ -75,7 +75,7 @@ $$;
 -- (and takes no lock).
 CREATE FUNCTION yuxi.archive_conversation_v1(
     p_run uuid, p_token uuid, p_ids text[], p_turns uuid[], p_serde text[], p_messages bytea[]
-) RETURNS TABLE (serde text, message bytea)
+) RETURNS TABLE (message_id text, serde text, message bytea)
     LANGUAGE plpgsql AS $$
 DECLARE
     v_session uuid;
@@ -85,7 +85,7 @@ BEGIN
     END IF;
     SELECT r.session_id INTO v_session FROM yuxi.runs r WHERE r.id = p_run;
     PERFORM yuxi.append_conversation_v1(v_session, p_ids, p_turns, p_serde, p_messages);
-    RETURN QUERY SELECT c.serde, c.message FROM yuxi.conversation c
+    RETURN QUERY SELECT c.message_id, c.serde, c.message FROM yuxi.conversation c
                   WHERE c.session_id = v_session ORDER BY c.position;
 END;
 $$;

@@ -462,7 +462,7 @@ WHERE s.tree_id = %(tree_id)s AND s.user_id = %(user_id)s AND s.app_id = %(app_i
 -- read the history a run gives its model: one round trip, one index range
 -- scan.
 -- name: archive_conversation
-SELECT serde, message FROM yuxi.archive_conversation_v1(
+SELECT message_id, serde, message FROM yuxi.archive_conversation_v1(
     %(run_id)s, %(token)s, %(ids)s, %(turns)s, %(serde)s, %(messages)s);
 
 -- A page of the archive, newest first, before a position (the keyset

@@ -510,3 +510,63 @@ async def test_a_read_uses_one_connection_of_the_pool(pool, checkpoint_pool, ali
     finally:
         await single.close()
     assert _summary(page) == [("ai", "echo: one"), ("human", "two"), ("ai", "echo: two")]
+
+
+def _count_decodes(monkeypatch) -> list[int]:
+    decoded: list[int] = []
+    real = conversation._load
+
+    def counted(serde, data):
+        decoded.append(1)
+        return real(serde, data)
+
+    monkeypatch.setattr(conversation, "_load", counted)
+    return decoded
+
+
+@pytest.mark.parametrize("kept", [20_000, 0], ids=["cached", "nothing kept"])
+async def test_a_later_turn_decodes_only_what_was_archived_since(
+        pool, checkpoint_pool, alice, monkeypatch, kept):
+    # The archive only grows: what this process decoded of a session's
+    # archive stays true, and each turn's first run decodes the messages
+    # archived since. The negative (nothing kept): every earlier message at
+    # every turn. The model sees the same conversation either way.
+    monkeypatch.setattr(conversation, "ARCHIVE", conversation.ArchiveCache(kept))
+    decoded = _count_decodes(monkeypatch)
+    seen = spy_model_calls(monkeypatch)
+    scope = alice[1]
+    session = await new_session(pool, scope, say_agent("a-{{ input }}"))
+    per_turn = []
+    for text in ("one", "two", "three", "four"):
+        before = len(decoded)
+        await _turn(pool, checkpoint_pool, scope, session, text)
+        per_turn.append(len(decoded) - before)
+    assert per_turn == ([0, 2, 2, 2] if kept else [0, 2, 4, 6])
+    assert seen[-1] == ["one", "a-one", "two", "a-two", "three", "a-three", "four"]
+
+
+def test_the_archive_cache_keeps_a_prefix_and_drops_the_least_used_sessions():
+    from langchain_core.messages import AIMessage, HumanMessage
+
+    def rows(n, tag=""):
+        messages = [HumanMessage(f"m{i}{tag}", id=f"m{i}{tag}") if i % 2 == 0 else
+                    AIMessage(f"m{i}{tag}", id=f"m{i}{tag}") for i in range(n)]
+        p = conversation.archive_params(messages)
+        return [{"message_id": i, "serde": s, "message": m}
+                for i, s, m in zip(p["ids"], p["serde"], p["messages"])]
+
+    cache = conversation.ArchiveCache(max_messages=6)
+    first = cache.load("a", rows(2))
+    again = cache.load("a", rows(4))
+    assert [m.content for m in again] == ["m0", "m1", "m2", "m3"]
+    assert again[0] is first[0]  # the prefix was not decoded again
+    cache.load("b", rows(2))  # 6 kept
+    cache.load("c", rows(2))  # over 6: "a", the least recently used, goes
+    assert len(cache) == 4
+    assert cache.load("a", rows(4))[0] is not first[0]
+    # Rows that do not continue what is kept (never expected) are all decoded.
+    other = cache.load("b", rows(3, tag="x"))
+    assert [m.content for m in other] == ["m0x", "m1x", "m2x"]
+    # A session longer than the whole cache is not kept.
+    cache.load("d", rows(7))
+    assert cache.load("d", rows(7))[0] is not cache.load("d", rows(7))[0]

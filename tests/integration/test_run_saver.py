@@ -363,9 +363,9 @@ async def test_a_turns_first_run_reads_the_archive_with_the_checkpoint(
     archived: list[int] = []
     original = conversation.archive_and_load
 
-    async def spied(conn, run_id, token, earlier=()):
+    async def spied(conn, run_id, token, earlier=(), cache=None):
         archived.append(len(earlier))
-        return await original(conn, run_id, token, earlier)
+        return await original(conn, run_id, token, earlier, cache)
 
     monkeypatch.setattr(conversation, "archive_and_load", spied)
     seen = spy_model_calls(monkeypatch)

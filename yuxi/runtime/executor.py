@@ -273,6 +273,8 @@ class TurnConversation:
                  token: uuid.UUID, carry: Carry | None = None,
                  archive: list[dict[str, Any]] | None = None) -> None:
         self.conn, self.run, self.token, self.carry = conn, run, token, carry
+        # What this process decoded of the session's archive already.
+        self.cache = (conversation.ARCHIVE, run["session_id"])
         self.loaded = False
         self.history: list[Any] = []
         # The archive's rows, read with the checkpoint (earlier_messages), or
@@ -312,12 +314,12 @@ class TurnConversation:
             # Archived by the completion that handed this run over.
             self.history = [*self.carry.history, *earlier]
         elif self._archive is not None and (history := conversation.archived_history(
-                self._archive, earlier or ())) is not None:
+                self._archive, earlier or (), self.cache)) is not None:
             # Archived by the completion of their turn (read with them).
             self.history = history
         else:
             self.history = await conversation.archive_and_load(
-                self.conn, self.run["id"], self.token, earlier or ())
+                self.conn, self.run["id"], self.token, earlier or (), self.cache)
         self._archive = None
         set_history(graph, self.history)
         self.loaded = True

@@ -11,6 +11,7 @@ writes costs, stays that of one turn, whatever the session's history.
 from __future__ import annotations
 
 import uuid
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,6 +52,50 @@ def _load(serde: str, data: bytes) -> BaseMessage:
     return _SERDE.loads_typed((serde, bytes(data)))
 
 
+class ArchiveCache:
+    """The archived conversations this process loaded, by session: an
+    archive only grows (positions 1, 2, ... are never rewritten or removed),
+    so what was loaded once stays true, and a run of a long session decodes
+    only the messages archived since (decoding every earlier message at
+    every run made a run's cost grow with the session's history). At most
+    `max_messages` are kept, least recently used sessions dropped first;
+    a longer session is not kept at all.
+
+    The messages are shared by the session's runs on this process, one at a
+    time (a session runs one turn at a time); nothing changes a message of
+    the history."""
+
+    def __init__(self, max_messages: int = 20_000) -> None:
+        self.max_messages = max_messages
+        self._sessions: OrderedDict[Any, tuple[list[str], list[BaseMessage]]] = OrderedDict()
+        self._size = 0
+
+    def load(self, session_id: Any, rows: Sequence[dict[str, Any]]) -> list[BaseMessage]:
+        """The messages of `rows` (a session's whole archive, oldest first:
+        `message_id`, `serde`, `message`), decoding only those past the
+        prefix kept for `session_id`."""
+        ids, loaded = self._sessions.pop(session_id, ([], []))
+        self._size -= len(ids)
+        kept = len(ids)
+        if kept > len(rows) or any(r["message_id"] != i for r, i in zip(rows, ids)):
+            kept = 0  # not a prefix (never expected): decode them all
+        out = [*loaded[:kept], *(_load(r["serde"], r["message"]) for r in rows[kept:])]
+        if len(out) <= self.max_messages:
+            self._sessions[session_id] = ([r["message_id"] for r in rows], out)
+            self._size += len(out)
+            while self._size > self.max_messages:
+                _, (dropped, _) = self._sessions.popitem(last=False)
+                self._size -= len(dropped)
+        return list(out)
+
+    def __len__(self) -> int:
+        return self._size
+
+
+# The worker's cache (yuxi.runtime.executor).
+ARCHIVE = ArchiveCache()
+
+
 def _turn_of(message: BaseMessage) -> str | None:
     if isinstance(message, HumanMessage):
         mark = message.additional_kwargs.get("yuxi") or {}
@@ -75,28 +120,38 @@ def archive_params(messages: Sequence[BaseMessage]) -> dict[str, list[Any]]:
 
 
 async def archive_and_load(conn: psycopg.AsyncConnection, run_id: uuid.UUID,
-                           token: uuid.UUID, earlier: Sequence[BaseMessage] = ()
+                           token: uuid.UUID, earlier: Sequence[BaseMessage] = (),
+                           cache: tuple[ArchiveCache, Any] | None = None,
                            ) -> list[BaseMessage]:
     """Archive `earlier`, the messages an earlier turn left in the checkpoint
     (fenced by the run's lease; a batch archived already, by the completion
     of its turn or by a run cut off before its reset, is not written twice;
     must commit before the checkpoint that forgets them), and return the
     archived conversation, oldest first: what the run's model sees before
-    the checkpoint's messages. One round trip."""
+    the checkpoint's messages. One round trip. `cache`: (an ArchiveCache,
+    the run's session id) to decode what it does not hold only."""
     rows = await db.fetch_all(conn, "archive_conversation", {
         "run_id": run_id, "token": token, **archive_params(earlier)})
+    return _decoded(rows, cache)
+
+
+def _decoded(rows: Sequence[dict[str, Any]], cache: tuple[ArchiveCache, Any] | None,
+             ) -> list[BaseMessage]:
+    if cache is not None:
+        return cache[0].load(cache[1], rows)
     return [_load(r["serde"], r["message"]) for r in rows]
 
 
-def archived_history(rows: Sequence[dict[str, Any]], earlier: Sequence[BaseMessage]
+def archived_history(rows: Sequence[dict[str, Any]], earlier: Sequence[BaseMessage],
+                     cache: tuple[ArchiveCache, Any] | None = None,
                      ) -> list[BaseMessage] | None:
     """The conversation from the archive's rows (`conversation_history`),
     when it holds `earlier` (what the checkpoint holds of earlier turns)
     already, as after a completed turn: nothing to archive first. None
-    otherwise (archive_and_load)."""
+    otherwise (archive_and_load). `cache` as in archive_and_load."""
     if unarchived(earlier, rows[-1] if rows else None):
         return None
-    return [_load(r["serde"], r["message"]) for r in rows]
+    return _decoded(rows, cache)
 
 
 async def _checkpoint_messages(source: AsyncConnectionPool | psycopg.AsyncConnection,
