@@ -12,9 +12,12 @@
 CREATE FUNCTION yuxi.defer_run_job_v1(p_run uuid) RETURNS bigint
     LANGUAGE plpgsql AS $$
 DECLARE
-    v_queue text := yuxi.run_queue_v1((SELECT tree_id FROM yuxi.runs WHERE id = p_run));
+    v_run yuxi.runs;
+    v_queue text;
     v_job bigint;
 BEGIN
+    SELECT * INTO v_run FROM yuxi.runs WHERE id = p_run;
+    v_queue := yuxi.run_queue_v1(v_run.tree_id);
     -- A worker of the queue with a free slot claims the run at once, one
     -- round trip instead of Procrastinate's fetch and then the lease
     -- (claim_run_v1); the job stays the way the run is executed when no
@@ -26,7 +29,10 @@ BEGIN
     v_job := yuxi.defer_job_v1(v_queue, 'execute_run', jsonb_build_object('run_id', p_run),
                                CASE WHEN yuxi.claimer_listening_v1(v_queue)
                                     THEN clock_timestamp() + interval '20 milliseconds' END);
-    PERFORM pg_notify('yuxi_ready', v_queue || ' ' || p_run || ' ' || v_job);
+    -- The session lets its claimer read only what it does not hold of the
+    -- session's archive, with the lease (yuxi.runtime.executor).
+    PERFORM pg_notify('yuxi_ready',
+                      v_queue || ' ' || p_run || ' ' || v_job || ' ' || v_run.session_id);
     RETURN v_job;
 END;
 $$;

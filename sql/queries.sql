@@ -479,11 +479,14 @@ ORDER BY position DESC LIMIT %(limit)s;
 SELECT message_id, serde, message FROM yuxi.conversation
 WHERE session_id = %(session_id)s ORDER BY position;
 
--- The same, for the session of a run (read with the run's lease: the worker
--- knows the run's id only).
+-- The same past a position (what the worker holds already: its archive
+-- cache), for the session of a run (read with the run's lease, keyed by the
+-- run).
 -- name: conversation_history_of_run
-SELECT message_id, serde, message FROM yuxi.conversation
-WHERE session_id = (SELECT session_id FROM yuxi.runs WHERE id = %(run_id)s) ORDER BY position;
+SELECT position, message_id, serde, message FROM yuxi.conversation
+WHERE session_id = (SELECT session_id FROM yuxi.runs WHERE id = %(run_id)s)
+  AND position > %(after)s
+ORDER BY position;
 
 -- The archive's last row: where the checkpoint's messages continue, and
 -- whether they are archived already.

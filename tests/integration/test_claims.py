@@ -37,9 +37,9 @@ async def _announced(db_url, pool, scope, woken: list[str] | None = None,
                 break
     if woken is not None:
         woken.extend(n.channel for n in notes if n.channel != "yuxi_ready")
-    queue, run, job = note.payload.split()
+    queue, run, job, announced_session = note.payload.split()
     (ready,) = await runs_with_status(pool, "ready")
-    assert uuid.UUID(run) == ready
+    assert uuid.UUID(run) == ready and uuid.UUID(announced_session) == session.id
     return queue, ready, int(job), receipt
 
 
@@ -94,20 +94,20 @@ async def test_a_worker_claims_only_its_queues_and_only_with_a_free_slot(
     ex.claims(("runs",))
     try:
         on_ready = ex.listener.on_ready
-        run, job = uuid.uuid4(), 1
-        on_ready("runs@elsewhere %s %d" % (run, job))  # another host's queue
+        run, job, session = uuid.uuid4(), 1, uuid.uuid4()
+        on_ready("runs@elsewhere %s %d %s" % (run, job, session))  # another host's queue
         on_ready("garbage")  # not a payload of ours
         assert not ex._claims
         async with ex.slots:  # the process is busy
-            on_ready("runs %s %d" % (run, job))
+            on_ready("runs %s %d %s" % (run, job, session))
             assert not ex._claims
-        on_ready("runs %s %d" % (run, job))  # no such run: claimed, then skipped
+        on_ready("runs %s %d %s" % (run, job, session))  # no such run: claimed, then skipped
         assert len(ex._claims) == 1
         await asyncio.gather(*ex._claims)
         # A burst beyond the free slots: the claims that find no slot when
         # they start give up (their jobs are there) instead of waiting.
         for _ in range(5):
-            on_ready("runs %s %d" % (uuid.uuid4(), job))
+            on_ready("runs %s %d %s" % (uuid.uuid4(), job, session))
         pending = list(ex._claims)
         assert len(pending) == 5
         async with ex.slots:  # taken before any of them starts
@@ -181,9 +181,9 @@ async def _claim_attempts(db_url, pool, checkpoint_pool, scope, turns: int) -> d
         ex.listener.poll_seconds = 0.1  # read the other claimer soon
         claimed = ex._claimed
 
-        async def counted(run_id, job_id, claimed=claimed):
+        async def counted(run_id, job_id, session_id, claimed=claimed):
             attempts[str(run_id)] = attempts.get(str(run_id), 0) + 1
-            await claimed(run_id, job_id)
+            await claimed(run_id, job_id, session_id)
 
         ex._claimed = counted
         ex.claims(("runs",))

@@ -570,3 +570,73 @@ def test_the_archive_cache_keeps_a_prefix_and_drops_the_least_used_sessions():
     # A session longer than the whole cache is not kept.
     cache.load("d", rows(7))
     assert cache.load("d", rows(7))[0] is not cache.load("d", rows(7))[0]
+    # Rows past what `known` said complete what is kept; past a prefix no
+    # longer kept, None (read it whole).
+    cache = conversation.ArchiveCache(max_messages=100)
+    first = cache.load("e", rows(2))
+    assert cache.known("e") == 2 and cache.known("f") == 0
+    grown = cache.load("e", rows(5)[2:], after=2)
+    assert [m.content for m in grown] == ["m0", "m1", "m2", "m3", "m4"] and grown[0] is first[0]
+    assert cache.known("e") == 5
+    assert cache.load("f", rows(4)[2:], after=2) is None
+
+
+async def _claimed_turns(pool, checkpoint_pool, scope, session, texts, *, announced=True):
+    """Each text a turn whose run is executed as a claim's (the announced
+    session known) or as a job's; what each lease's read returned of the
+    archive."""
+    read: list[int] = []
+    real = runs.start_run_reading
+
+    async def spied(*args, **kwargs):
+        run, results = await real(*args, **kwargs)
+        read.append(len(results[1]))
+        return run, results
+
+    import unittest.mock
+
+    with unittest.mock.patch.object(executor_module.runs, "start_run_reading", spied):
+        for text in texts:
+            await sessions.receive_input(pool, scope, session.id, content=text)
+            (run_id,) = await runs_with_status(pool, "ready")
+            assert await executor(pool, checkpoint_pool).execute(
+                run_id, session_id=session.id if announced else None) == "completed"
+    return read
+
+
+@pytest.mark.parametrize("announced", [True, False], ids=["claim", "job"])
+async def test_a_claimed_run_reads_only_the_archive_past_what_its_worker_holds(
+        pool, checkpoint_pool, alice, monkeypatch, announced):
+    # A claim knows the run's session from its announcement: the lease's
+    # round trip reads only the rows past what this process holds. A job
+    # (the session unknown) reads the whole archive: each case is the
+    # other's negative. The model sees the whole conversation either way.
+    monkeypatch.setattr(conversation, "ARCHIVE", conversation.ArchiveCache())
+    seen = spy_model_calls(monkeypatch)
+    scope = alice[1]
+    session = await new_session(pool, scope, say_agent("a-{{ input }}"))
+    read = await _claimed_turns(pool, checkpoint_pool, scope, session,
+                                ["one", "two", "three", "four"], announced=announced)
+    assert read == ([0, 2, 2, 2] if announced else [0, 2, 4, 6])
+    assert seen[-1] == ["one", "a-one", "two", "a-two", "three", "a-three", "four"]
+
+
+async def test_a_prefix_dropped_after_the_lease_is_read_again_whole(
+        pool, checkpoint_pool, alice, monkeypatch):
+    # The cache dropped the session between the claim (which read past its
+    # prefix) and the run's load: the run reads the archive whole, and its
+    # model still sees all of it.
+    class Forgetful(conversation.ArchiveCache):
+        def known(self, session_id):
+            held = super().known(session_id)
+            self._sessions.clear()  # dropped meanwhile (other sessions' loads)
+            self._size = 0
+            return held
+
+    monkeypatch.setattr(conversation, "ARCHIVE", Forgetful())
+    seen = spy_model_calls(monkeypatch)
+    scope = alice[1]
+    session = await new_session(pool, scope, say_agent("a-{{ input }}"))
+    read = await _claimed_turns(pool, checkpoint_pool, scope, session, ["one", "two", "three"])
+    assert read == [0, 2, 2]  # the lease read past what was held then
+    assert seen[-1] == ["one", "a-one", "two", "a-two", "three"]

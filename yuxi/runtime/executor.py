@@ -271,7 +271,7 @@ class TurnConversation:
 
     def __init__(self, conn: psycopg.AsyncConnection, run: dict[str, Any],
                  token: uuid.UUID, carry: Carry | None = None,
-                 archive: list[dict[str, Any]] | None = None) -> None:
+                 archive: list[dict[str, Any]] | None = None, after: int = 0) -> None:
         self.conn, self.run, self.token, self.carry = conn, run, token, carry
         # What this process decoded of the session's archive already.
         self.cache = (conversation.ARCHIVE, run["session_id"])
@@ -280,6 +280,9 @@ class TurnConversation:
         # The archive's rows, read with the checkpoint (earlier_messages), or
         # with the lease (`archive`, with the checkpoint the saver knows).
         self._archive: list[dict[str, Any]] | None = archive
+        # The position `_archive` starts after (what the cache held when the
+        # lease read it).
+        self._after = after
         # The checkpoint's messages when the graph last returned.
         self.final: list[Any] = []
 
@@ -295,6 +298,7 @@ class TurnConversation:
         if isinstance(saver, RunSaver):
             known, found = saver.known_latest(config)
             if not known or self._archive is None:  # both, in one round trip
+                self._after = 0
                 found, self._archive = await saver.aget_tuple_with(
                     config, db.QUERIES["conversation_history"],
                     {"session_id": self.run["session_id"]})
@@ -314,7 +318,7 @@ class TurnConversation:
             # Archived by the completion that handed this run over.
             self.history = [*self.carry.history, *earlier]
         elif self._archive is not None and (history := conversation.archived_history(
-                self._archive, earlier or (), self.cache)) is not None:
+                self._archive, earlier or (), self.cache, self._after)) is not None:
             # Archived by the completion of their turn (read with them).
             self.history = history
         else:
@@ -342,19 +346,21 @@ CARRY = "_conversation"
 class LeaseReads(NamedTuple):
     """What a run reads first, read in its lease's round trip
     (runs.start_run_reading): its thread's latest checkpoint (a row of
-    LATEST_OF_RUN, or None) and its session's archive."""
+    LATEST_OF_RUN, or None) and its session's archive past position `after`
+    (what this process holds of it: conversation.ARCHIVE)."""
 
     checkpoint: dict[str, Any] | None
-    archive: list[dict[str, Any]]
+    archive: list[dict[str, Any]] | None
+    after: int = 0
 
 
 # Where a run's dict holds its LeaseReads.
 READ = "_read"
 
 
-def lease_reads(run_id: uuid.UUID) -> list[tuple[str, Any]]:
+def lease_reads(run_id: uuid.UUID, after: int = 0) -> list[tuple[str, Any]]:
     return [(LATEST_OF_RUN, (run_id,)),
-            (db.QUERIES["conversation_history_of_run"], {"run_id": run_id})]
+            (db.QUERIES["conversation_history_of_run"], {"run_id": run_id, "after": after})]
 
 def carried_checkpoint(run: dict[str, Any]) -> Any:
     carry = run.get(CARRY)
@@ -473,15 +479,16 @@ class RunExecutor:
         claims a given run (WorkerListener.preferred)."""
         def on_ready(payload: str) -> None:
             try:
-                queue, run_id, job_id = payload.split()
-                run, job = uuid.UUID(run_id), int(job_id)
+                queue, run_id, job_id, session_id = payload.split()
+                run, job, session = uuid.UUID(run_id), int(job_id), uuid.UUID(session_id)
             except ValueError:
                 log.warning("ignoring a malformed yuxi_ready payload %r", payload[:200])
                 return
             if queue not in queues or self.slots.locked() \
                     or not self.listener.preferred(queue, run):
                 return
-            task = asyncio.create_task(self._claimed(run, job), name=f"yuxi-claim-{run}")
+            task = asyncio.create_task(self._claimed(run, job, session),
+                                       name=f"yuxi-claim-{run}")
             self._claims.add(task)
             task.add_done_callback(self._claims.discard)
 
@@ -489,14 +496,14 @@ class RunExecutor:
         self.listener.on_ready = on_ready
         self.listener.start()
 
-    async def _claimed(self, run_id: uuid.UUID, job_id: int) -> None:
+    async def _claimed(self, run_id: uuid.UUID, job_id: int, session_id: uuid.UUID) -> None:
         if self.slots.locked():
             # Taken meanwhile (a burst of announcements): no waiting for a
             # slot, the job is there for that. (From here to taking the slot
             # in `execute` nothing awaits: no other task runs in between.)
             return
         try:
-            outcome = await self.execute(run_id, job_id=job_id)
+            outcome = await self.execute(run_id, job_id=job_id, session_id=session_id)
         except Exception:
             # Its lease expires and the recovery sweep retries it.
             log.exception("claimed run %s", run_id)
@@ -514,25 +521,31 @@ class RunExecutor:
         self.stop_claims()
         await asyncio.gather(*self._claims, return_exceptions=True)
 
-    async def execute(self, run_id: uuid.UUID, *, job_id: int | None = None) -> str:
+    async def execute(self, run_id: uuid.UUID, *, job_id: int | None = None,
+                      session_id: uuid.UUID | None = None) -> str:
         """Execute a run, then the runs handed over to this worker when a run
         completed (up to max_continued_runs; sql/020_slots.sql). Returns what
         happened to the last one: skipped (not ready: a stale or duplicate job,
         or a run another worker claimed), completed, suspended, cancelled,
         failed, or lease_lost (then the worker changed nothing). `job_id`: a
-        claim (`claims`), which removes the run's job with the lease."""
+        claim (`claims`), which removes the run's job with the lease.
+        `session_id`, when known (a claim's announcement), lets the lease's
+        round trip read only what this process does not hold of the
+        session's archive."""
         async with self.slots:
-            return await self._execute(run_id, job_id)
+            return await self._execute(run_id, job_id, session_id)
 
-    async def _execute(self, run_id: uuid.UUID, job_id: int | None) -> str:
+    async def _execute(self, run_id: uuid.UUID, job_id: int | None,
+                       session_id: uuid.UUID | None = None) -> str:
         token = uuid.uuid4()
+        after = conversation.ARCHIVE.known(session_id) if session_id else 0
         # One checkpoint connection for the job's runs: taking a lease on it
         # marks it for the checkpointer (start_run_v1, complete_run_v1).
         async with self.checkpoint_pool.connection() as conn:
             try:
                 # With what the run reads first: one round trip for both.
                 run, (latest, archive) = await runs.start_run_reading(
-                    conn, run_id, token, self.settings.lease_seconds, lease_reads(run_id),
+                    conn, run_id, token, self.settings.lease_seconds, lease_reads(run_id, after),
                     mark=True, host=self.settings.host_id, job_id=job_id)
             except BaseException:
                 await unmark(conn)  # whether or not the lease committed
@@ -541,7 +554,10 @@ class RunExecutor:
                 # Not taken, not marked (a claim another worker won, a stale
                 # job): the connection goes back as it came, no round trip.
                 return "skipped"
-            run[READ] = LeaseReads(latest[0] if latest else None, archive)
+            if session_id is not None and run["session_id"] != session_id:
+                after = 0  # (never expected) not the session announced
+                archive = None
+            run[READ] = LeaseReads(latest[0] if latest else None, archive, after)
             outcome: str | None = None
             async with unmarked_after(conn, unless=lambda: outcome == "completed"):
                 for left in range(self.max_continued_runs, -1, -1):
@@ -723,7 +739,8 @@ class RunExecutor:
         resume = run.get("resume")
         read = run.get(READ)
         conv = TurnConversation(saver.conn, run, token, run.get(CARRY),
-                                archive=read.archive if read is not None else None)
+                                archive=read.archive if read is not None else None,
+                                after=read.after if read is not None else 0)
         while True:
             try:
                 answer, delivered = await drive(graph, cfg, run, extra, resume, conv=conv)

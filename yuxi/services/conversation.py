@@ -70,18 +70,36 @@ class ArchiveCache:
         self._sessions: OrderedDict[Any, tuple[list[str], list[BaseMessage]]] = OrderedDict()
         self._size = 0
 
-    def load(self, session_id: Any, rows: Sequence[dict[str, Any]]) -> list[BaseMessage]:
-        """The messages of `rows` (a session's whole archive, oldest first:
-        `message_id`, `serde`, `message`), decoding only those past the
-        prefix kept for `session_id`."""
+    def known(self, session_id: Any) -> int:
+        """How many of the session's first messages are kept (positions 1
+        to that): a read of its archive may start past it."""
+        return len(self._sessions.get(session_id, ((),))[0])
+
+    def load(self, session_id: Any, rows: Sequence[dict[str, Any]], after: int = 0,
+             ) -> list[BaseMessage] | None:
+        """The session's archived messages, oldest first, decoding only
+        what is not kept. `rows` (`message_id`, `serde`, `message`) are the
+        archive's past position `after`: 0, the whole archive (checked
+        against what is kept, by message id), or what `known` said before
+        the read; None when that prefix is not kept any more (dropped
+        meanwhile): read the archive whole."""
         ids, loaded = self._sessions.pop(session_id, ([], []))
         self._size -= len(ids)
-        kept = len(ids)
-        if kept > len(rows) or any(r["message_id"] != i for r, i in zip(rows, ids)):
-            kept = 0  # not a prefix (never expected): decode them all
-        out = [*loaded[:kept], *(_load(r["serde"], r["message"]) for r in rows[kept:])]
+        if after:
+            if len(ids) < after:
+                return None
+            ids, loaded, rows = [*ids[:after], *(r["message_id"] for r in rows)], \
+                loaded[:after], list(rows)
+            kept = 0
+        else:
+            kept = len(ids)
+            if kept > len(rows) or any(r["message_id"] != i for r, i in zip(rows, ids)):
+                kept = 0  # not a prefix (never expected): decode them all
+            loaded, rows = loaded[:kept], list(rows[kept:])
+            ids = [*ids[:kept], *(r["message_id"] for r in rows)]
+        out = [*loaded, *(_load(r["serde"], r["message"]) for r in rows)]
         if len(out) <= self.max_messages:
-            self._sessions[session_id] = ([r["message_id"] for r in rows], out)
+            self._sessions[session_id] = (ids, out)
             self._size += len(out)
             while self._size > self.max_messages:
                 _, (dropped, _) = self._sessions.popitem(last=False)
@@ -143,15 +161,23 @@ def _decoded(rows: Sequence[dict[str, Any]], cache: tuple[ArchiveCache, Any] | N
 
 
 def archived_history(rows: Sequence[dict[str, Any]], earlier: Sequence[BaseMessage],
-                     cache: tuple[ArchiveCache, Any] | None = None,
+                     cache: tuple[ArchiveCache, Any] | None = None, after: int = 0,
                      ) -> list[BaseMessage] | None:
-    """The conversation from the archive's rows (`conversation_history`),
-    when it holds `earlier` (what the checkpoint holds of earlier turns)
-    already, as after a completed turn: nothing to archive first. None
-    otherwise (archive_and_load). `cache` as in archive_and_load."""
-    if unarchived(earlier, rows[-1] if rows else None):
+    """The conversation from the archive's rows (`conversation_history`;
+    with `cache`, those past position `after`, as ArchiveCache.load takes
+    them), when it holds `earlier` (what the checkpoint holds of earlier
+    turns) already, as after a completed turn: nothing to archive first.
+    None otherwise (archive_and_load), or when the cache cannot complete
+    the rows any more."""
+    if cache is None:
+        if unarchived(earlier, rows[-1] if rows else None):
+            return None
+        return _decoded(rows, None)
+    history = cache[0].load(cache[1], rows, after)
+    if history is None or unarchived(
+            earlier, {"message_id": history[-1].id} if history else None):
         return None
-    return _decoded(rows, cache)
+    return history
 
 
 async def _checkpoint_messages(source: AsyncConnectionPool | psycopg.AsyncConnection,
