@@ -473,15 +473,15 @@ SELECT position, message_id, serde, message FROM yuxi.conversation
 WHERE session_id = %(session_id)s AND position < %(before)s
 ORDER BY position DESC LIMIT %(limit)s;
 
--- The whole archive of a session, oldest first: what a turn's model sees
--- before the checkpoint's messages.
+-- The archive of a session, oldest first: what a turn's model sees before
+-- the checkpoint's messages.
 -- name: conversation_history
 SELECT message_id, serde, message FROM yuxi.conversation
-WHERE session_id = %(session_id)s ORDER BY position;
+WHERE session_id = %(session_id)s AND position > %(after)s ORDER BY position;
 
--- The same past a position (what the worker holds already: its archive
--- cache), for the session of a run (read with the run's lease, keyed by the
--- run).
+-- The same for the session of a run (read with the run's lease, keyed by
+-- the run). Both read past a position: what the worker holds decoded
+-- already (its archive cache).
 -- name: conversation_history_of_run
 SELECT position, message_id, serde, message FROM yuxi.conversation
 WHERE session_id = (SELECT session_id FROM yuxi.runs WHERE id = %(run_id)s)

@@ -640,3 +640,33 @@ async def test_a_prefix_dropped_after_the_lease_is_read_again_whole(
     read = await _claimed_turns(pool, checkpoint_pool, scope, session, ["one", "two", "three"])
     assert read == [0, 2, 2]  # the lease read past what was held then
     assert seen[-1] == ["one", "a-one", "two", "a-two", "three"]
+
+
+async def test_a_run_that_reads_its_own_archive_reads_past_what_its_worker_holds(
+        pool, checkpoint_pool, alice, monkeypatch):
+    # A run with no read of the lease's (handed over by another session's
+    # completion; here: the lease's read unused) reads the checkpoint and
+    # the archive itself, also past what this process holds decoded.
+    from yuxi.runtime.saver import RunSaver
+
+    async def unknown(self, thread_id, row):
+        return False
+
+    monkeypatch.setattr(RunSaver, "know_latest", unknown)
+    monkeypatch.setattr(conversation, "ARCHIVE", conversation.ArchiveCache())
+    read: list[int] = []
+    real = RunSaver.aget_tuple_with
+
+    async def spied(self, config, query, params):
+        found, rows = await real(self, config, query, params)
+        read.append(len(rows))
+        return found, rows
+
+    monkeypatch.setattr(RunSaver, "aget_tuple_with", spied)
+    seen = spy_model_calls(monkeypatch)
+    scope = alice[1]
+    session = await new_session(pool, scope, say_agent("a-{{ input }}"))
+    for text in ("one", "two", "three", "four"):
+        await _turn(pool, checkpoint_pool, scope, session, text)
+    assert read == [0, 2, 2, 2]
+    assert seen[-1] == ["one", "a-one", "two", "a-two", "three", "a-three", "four"]

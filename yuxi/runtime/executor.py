@@ -298,10 +298,11 @@ class TurnConversation:
         if isinstance(saver, RunSaver):
             known, found = saver.known_latest(config)
             if not known or self._archive is None:  # both, in one round trip
-                self._after = 0
+                # Past what this process holds decoded of the archive.
+                self._after = self.cache[0].known(self.cache[1])
                 found, self._archive = await saver.aget_tuple_with(
                     config, db.QUERIES["conversation_history"],
-                    {"session_id": self.run["session_id"]})
+                    {"session_id": self.run["session_id"], "after": self._after})
         else:
             found = await saver.aget_tuple(config)
         return list(found.checkpoint["channel_values"].get("messages", [])) if found else None
