@@ -524,7 +524,7 @@ def _count_decodes(monkeypatch) -> list[int]:
     return decoded
 
 
-@pytest.mark.parametrize("kept", [20_000, 0], ids=["cached", "nothing kept"])
+@pytest.mark.parametrize("kept", [1 << 20, 0], ids=["cached", "nothing kept"])
 async def test_a_later_turn_decodes_only_what_was_archived_since(
         pool, checkpoint_pool, alice, monkeypatch, kept):
     # The archive only grows: what this process decoded of a session's
@@ -555,29 +555,34 @@ def test_the_archive_cache_keeps_a_prefix_and_drops_the_least_used_sessions():
         return [{"message_id": i, "serde": s, "message": m}
                 for i, s, m in zip(p["ids"], p["serde"], p["messages"])]
 
-    cache = conversation.ArchiveCache(max_messages=6)
+    def size(rs):
+        return sum(len(r["message"]) for r in rs)
+
+    # Room for sessions "a" (4 messages) and "b" (2), as stored.
+    cache = conversation.ArchiveCache(max_bytes=size(rows(4)) + size(rows(2)))
     first = cache.load("a", rows(2))
     again = cache.load("a", rows(4))
     assert [m.content for m in again] == ["m0", "m1", "m2", "m3"]
     assert again[0] is first[0]  # the prefix was not decoded again
-    cache.load("b", rows(2))  # 6 kept
-    cache.load("c", rows(2))  # over 6: "a", the least recently used, goes
-    assert len(cache) == 4
+    cache.load("b", rows(2))  # full
+    cache.load("c", rows(2))  # over: "a", the least recently used, goes
+    assert len(cache) == 2 * size(rows(2))
     assert cache.load("a", rows(4))[0] is not first[0]
     # Rows that do not continue what is kept (never expected) are all decoded.
     other = cache.load("b", rows(3, tag="x"))
     assert [m.content for m in other] == ["m0x", "m1x", "m2x"]
     # A session longer than the whole cache is not kept.
     cache.load("d", rows(7))
+    assert cache.known("d") == 0
     assert cache.load("d", rows(7))[0] is not cache.load("d", rows(7))[0]
     # Rows past what `known` said complete what is kept; past a prefix no
     # longer kept, None (read it whole).
-    cache = conversation.ArchiveCache(max_messages=100)
+    cache = conversation.ArchiveCache()
     first = cache.load("e", rows(2))
     assert cache.known("e") == 2 and cache.known("f") == 0
     grown = cache.load("e", rows(5)[2:], after=2)
     assert [m.content for m in grown] == ["m0", "m1", "m2", "m3", "m4"] and grown[0] is first[0]
-    assert cache.known("e") == 5
+    assert cache.known("e") == 5 and len(cache) == size(rows(5))
     assert cache.load("f", rows(4)[2:], after=2) is None
 
 

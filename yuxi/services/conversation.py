@@ -58,22 +58,25 @@ class ArchiveCache:
     so what was loaded once stays true, and a run of a long session decodes
     only the messages archived since (decoding every earlier message at
     every run made a run's cost grow with the session's history). At most
-    `max_messages` are kept, least recently used sessions dropped first;
-    a longer session is not kept at all.
+    `max_bytes` of messages (as stored) are kept, least recently used
+    sessions dropped first; a longer session is not kept at all.
 
     The messages are shared by the session's runs on this process, one at a
     time (a session runs one turn at a time); nothing changes a message of
     the history."""
 
-    def __init__(self, max_messages: int = 20_000) -> None:
-        self.max_messages = max_messages
-        self._sessions: OrderedDict[Any, tuple[list[str], list[BaseMessage]]] = OrderedDict()
+    def __init__(self, max_bytes: int = 32 << 20) -> None:
+        self.max_bytes = max_bytes
+        # session -> (message ids, messages, their bytes as stored)
+        self._sessions: OrderedDict[Any, tuple[list[str], list[BaseMessage], int]] = \
+            OrderedDict()
         self._size = 0
 
     def known(self, session_id: Any) -> int:
         """How many of the session's first messages are kept (positions 1
         to that): a read of its archive may start past it."""
-        return len(self._sessions.get(session_id, ((),))[0])
+        entry = self._sessions.get(session_id)
+        return len(entry[0]) if entry else 0
 
     def load(self, session_id: Any, rows: Sequence[dict[str, Any]], after: int = 0,
              ) -> list[BaseMessage] | None:
@@ -83,30 +86,28 @@ class ArchiveCache:
         against what is kept, by message id), or what `known` said before
         the read; None when that prefix is not kept any more (dropped
         meanwhile): read the archive whole."""
-        ids, loaded = self._sessions.pop(session_id, ([], []))
-        self._size -= len(ids)
+        ids, loaded, nbytes = self._sessions.pop(session_id, ([], [], 0))
+        self._size -= nbytes
         if after:
-            if len(ids) < after:
+            if len(ids) != after:
                 return None
-            ids, loaded, rows = [*ids[:after], *(r["message_id"] for r in rows)], \
-                loaded[:after], list(rows)
-            kept = 0
+        elif len(ids) > len(rows) or any(r["message_id"] != i for r, i in zip(rows, ids)):
+            ids, loaded, nbytes = [], [], 0  # not a prefix (never expected): decode all
         else:
-            kept = len(ids)
-            if kept > len(rows) or any(r["message_id"] != i for r, i in zip(rows, ids)):
-                kept = 0  # not a prefix (never expected): decode them all
-            loaded, rows = loaded[:kept], list(rows[kept:])
-            ids = [*ids[:kept], *(r["message_id"] for r in rows)]
+            rows = rows[len(ids):]
+        ids = [*ids, *(r["message_id"] for r in rows)]
         out = [*loaded, *(_load(r["serde"], r["message"]) for r in rows)]
-        if len(out) <= self.max_messages:
-            self._sessions[session_id] = (ids, out)
-            self._size += len(out)
-            while self._size > self.max_messages:
-                _, (dropped, _) = self._sessions.popitem(last=False)
-                self._size -= len(dropped)
+        nbytes += sum(len(r["message"]) for r in rows)
+        if nbytes <= self.max_bytes:
+            self._sessions[session_id] = (ids, out, nbytes)
+            self._size += nbytes
+            while self._size > self.max_bytes:
+                _, (_, _, dropped) = self._sessions.popitem(last=False)
+                self._size -= dropped
         return list(out)
 
     def __len__(self) -> int:
+        """Bytes kept (messages as stored)."""
         return self._size
 
 
