@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from benchmarks.run import _die_with_parent
 from yuxi.cli import api_command, worker_command
 
 E2E_DIR = Path(__file__).resolve().parent
@@ -44,8 +46,13 @@ class Proc:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "wb")
+        # Dies with the test run: a run stopped by a signal skips the
+        # fixtures' teardown, and services left running hold connections to
+        # the test databases (the next run's CREATE DATABASE waits on them).
         self.popen = subprocess.Popen(args, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                      start_new_session=True)
+                                      start_new_session=True,
+                                      preexec_fn=_die_with_parent if sys.platform == "linux"
+                                      else None)
 
     def kill9(self) -> None:
         self.popen.send_signal(signal.SIGKILL)
