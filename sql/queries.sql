@@ -473,17 +473,12 @@ SELECT position, message_id, serde, message FROM yuxi.conversation
 WHERE session_id = %(session_id)s AND position < %(before)s
 ORDER BY position DESC LIMIT %(limit)s;
 
--- The archive of a session, oldest first: what a turn's model sees before
--- the checkpoint's messages.
+-- The archive of a run's session, oldest first: what a turn's model sees
+-- before the checkpoint's messages, past a position (what the worker holds
+-- decoded already: its archive cache). Keyed by the run: a claim reads it
+-- with the lease, knowing the run's id only.
 -- name: conversation_history
 SELECT message_id, serde, message FROM yuxi.conversation
-WHERE session_id = %(session_id)s AND position > %(after)s ORDER BY position;
-
--- The same for the session of a run (read with the run's lease, keyed by
--- the run). Both read past a position: what the worker holds decoded
--- already (its archive cache).
--- name: conversation_history_of_run
-SELECT position, message_id, serde, message FROM yuxi.conversation
 WHERE session_id = (SELECT session_id FROM yuxi.runs WHERE id = %(run_id)s)
   AND position > %(after)s
 ORDER BY position;

@@ -37,10 +37,11 @@ app = procrastinate.App(
     worker_defaults={
         "queues": ["runs", "maintenance", HOST_QUEUE],
         "concurrency": settings.worker_concurrency,
-        # NOTIFY wakes idle workers at once; polling is the fallback for
-        # scheduled jobs: the recovery sweep, missed notifications, and the
-        # job of a ready run that its claimer left (busy, just died), due 20
-        # ms after its NOTIFY (defer_run_job_v1): this bounds how long it
+        # NOTIFY wakes idle workers at once for a job due now; polling finds
+        # the rest: scheduled jobs (the recovery sweep), missed notifications,
+        # and the job of a ready run that its claimer left (busy, just died),
+        # due 20 ms after its announcement and inserted without a wake-up
+        # (defer_run_job_v1, sql/020_slots.sql): this bounds how long it
         # waits then.
         "fetch_job_polling_interval": 0.25,
         "delete_jobs": "successful",

@@ -566,7 +566,7 @@ def test_the_archive_cache_keeps_a_prefix_and_drops_the_least_used_sessions():
     assert again[0] is first[0]  # the prefix was not decoded again
     cache.load("b", rows(2))  # full
     cache.load("c", rows(2))  # over: "a", the least recently used, goes
-    assert len(cache) == 2 * size(rows(2))
+    assert cache.nbytes == 2 * size(rows(2))
     assert cache.load("a", rows(4))[0] is not first[0]
     # Rows that do not continue what is kept (never expected) are all decoded.
     other = cache.load("b", rows(3, tag="x"))
@@ -582,7 +582,7 @@ def test_the_archive_cache_keeps_a_prefix_and_drops_the_least_used_sessions():
     assert cache.known("e") == 2 and cache.known("f") == 0
     grown = cache.load("e", rows(5)[2:], after=2)
     assert [m.content for m in grown] == ["m0", "m1", "m2", "m3", "m4"] and grown[0] is first[0]
-    assert cache.known("e") == 5 and len(cache) == size(rows(5))
+    assert cache.known("e") == 5 and cache.nbytes == size(rows(5))
     assert cache.load("f", rows(4)[2:], after=2) is None
 
 
@@ -675,3 +675,23 @@ async def test_a_run_that_reads_its_own_archive_reads_past_what_its_worker_holds
         await _turn(pool, checkpoint_pool, scope, session, text)
     assert read == [0, 2, 2, 2]
     assert seen[-1] == ["one", "a-one", "two", "a-two", "three", "a-three", "four"]
+
+
+async def test_an_announcement_naming_another_session_reads_the_archive_whole(
+        pool, checkpoint_pool, alice, monkeypatch):
+    # The lease reads past what the cache holds of the announced session;
+    # for another session's run that prefix is not its own (ArchiveCache.load
+    # checks its length): the run reads its archive whole and its model sees
+    # its own conversation.
+    monkeypatch.setattr(conversation, "ARCHIVE", conversation.ArchiveCache())
+    seen = spy_model_calls(monkeypatch)
+    scope = alice[1]
+    a = await new_session(pool, scope, say_agent("a-{{ input }}"))
+    b = await new_session(pool, scope, say_agent("a-{{ input }}"))
+    await _claimed_turns(pool, checkpoint_pool, scope, a, ["x1", "x2", "x3", "x4"])
+    await _claimed_turns(pool, checkpoint_pool, scope, b, ["y1", "y2"])
+    assert conversation.ARCHIVE.known(a.id) == 6 and conversation.ARCHIVE.known(b.id) == 2
+    await sessions.receive_input(pool, scope, b.id, content="y3")
+    (run_id,) = await runs_with_status(pool, "ready")
+    assert await executor(pool, checkpoint_pool).execute(run_id, session_id=a.id) == "completed"
+    assert seen[-1] == ["y1", "a-y1", "y2", "a-y2", "y3"]

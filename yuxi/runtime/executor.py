@@ -302,7 +302,7 @@ class TurnConversation:
                 self._after = self.cache[0].known(self.cache[1])
                 found, self._archive = await saver.aget_tuple_with(
                     config, db.QUERIES["conversation_history"],
-                    {"session_id": self.run["session_id"], "after": self._after})
+                    {"run_id": self.run["id"], "after": self._after})
         else:
             found = await saver.aget_tuple(config)
         return list(found.checkpoint["channel_values"].get("messages", [])) if found else None
@@ -361,7 +361,8 @@ READ = "_read"
 
 def lease_reads(run_id: uuid.UUID, after: int = 0) -> list[tuple[str, Any]]:
     return [(LATEST_OF_RUN, (run_id,)),
-            (db.QUERIES["conversation_history_of_run"], {"run_id": run_id, "after": after})]
+            (db.QUERIES["conversation_history"], {"run_id": run_id, "after": after})]
+
 
 def carried_checkpoint(run: dict[str, Any]) -> Any:
     carry = run.get(CARRY)
@@ -555,9 +556,6 @@ class RunExecutor:
                 # Not taken, not marked (a claim another worker won, a stale
                 # job): the connection goes back as it came, no round trip.
                 return "skipped"
-            if session_id is not None and run["session_id"] != session_id:
-                after = 0  # (never expected) not the session announced
-                archive = None
             run[READ] = LeaseReads(latest[0] if latest else None, archive, after)
             outcome: str | None = None
             async with unmarked_after(conn, unless=lambda: outcome == "completed"):

@@ -121,6 +121,14 @@ def latest_only(ops: list[Op]) -> list[Op]:
     return kept
 
 
+def _read_key(config: Any, *, latest: bool = False) -> tuple[Any, ...]:
+    """What a read of a checkpoint asks for: thread, namespace and
+    checkpoint id (None, `latest`: the thread's latest)."""
+    c = config["configurable"]
+    return (c.get("thread_id"), c.get("checkpoint_ns", ""),
+            None if latest else c.get("checkpoint_id"))
+
+
 # LangGraph's read of a thread's latest checkpoint (aget_tuple without a
 # checkpoint id), for the session of a run: read with the run's lease, in
 # the lease's round trip (yuxi.services.runs.start_run_reading).
@@ -178,8 +186,7 @@ class RunSaver(AsyncPostgresSaver):
         # first read of this run is answered from it, without a round trip.
         self._reread: tuple[tuple[Any, ...], Any] | None = None
         if latest is not None:
-            c = latest.config["configurable"]
-            self._reread = ((c["thread_id"], c["checkpoint_ns"], None), latest)
+            self._reread = (_read_key(latest.config, latest=True), latest)
         # What the last aput was given (config, checkpoint, metadata).
         self._put: tuple[Any, Any, Any] | None = None
         self._held: list[Op] = []
@@ -362,8 +369,7 @@ class RunSaver(AsyncPostgresSaver):
         if self._empty and not self._held:
             return None, []  # nothing ran in the thread: nothing to read either
         await self._flushed()
-        c = config["configurable"]
-        key = (c.get("thread_id"), c.get("checkpoint_ns", ""), None)
+        key = _read_key(config, latest=True)
         async with self.lock, _ainternal.get_connection(self.conn) as conn:
             async with conn.pipeline(), conn.cursor(binary=True, row_factory=dict_row) as latest, \
                     conn.cursor(row_factory=dict_row) as other:
@@ -406,25 +412,26 @@ class RunSaver(AsyncPostgresSaver):
         if row is not None and row["checkpoint"]["v"] < 4:
             return False  # (pending sends to migrate: LangGraph's own read)
         found = None if row is None else await self._load_checkpoint_tuple(row)
-        self._reread = ((thread_id, "", None), found)
+        self._reread = (_read_key({"configurable": {"thread_id": thread_id}}, latest=True), found)
         return True
 
     def known_latest(self, config) -> tuple[bool, CheckpointTuple | None]:
         """(True, the thread's latest checkpoint) when this saver knows it
         without a read (know_latest, or a carried one), without using it up
         for LangGraph's read; (False, None) otherwise."""
-        c = config["configurable"]
-        key = (c.get("thread_id"), c.get("checkpoint_ns", ""), None)
-        if self._reread is not None and self._reread[0] == key and not self._held:
+        if self._known(_read_key(config, latest=True)):
             return True, self._reread[1]
         return False, None
+
+    def _known(self, key: tuple[Any, ...]) -> bool:
+        """Whether the last read (or what was known without one) answers a
+        read of `key` now: nothing written since."""
+        return self._reread is not None and self._reread[0] == key and not self._held
 
     async def aget_tuple(self, config):
         if self._empty and not self._held:
             return None
-        c = config["configurable"]
-        key = (c.get("thread_id"), c.get("checkpoint_ns", ""), c.get("checkpoint_id"))
-        if self._reread is not None and self._reread[0] == key and not self._held:
+        if self._known(key := _read_key(config)):
             found, self._reread = self._reread[1], None  # once: the first reader only looked
             return found
         await self._flushed()

@@ -106,7 +106,8 @@ class ArchiveCache:
                 self._size -= dropped
         return list(out)
 
-    def __len__(self) -> int:
+    @property
+    def nbytes(self) -> int:
         """Bytes kept (messages as stored)."""
         return self._size
 
@@ -151,29 +152,20 @@ async def archive_and_load(conn: psycopg.AsyncConnection, run_id: uuid.UUID,
     the run's session id) to decode what it does not hold only."""
     rows = await db.fetch_all(conn, "archive_conversation", {
         "run_id": run_id, "token": token, **archive_params(earlier)})
-    return _decoded(rows, cache)
-
-
-def _decoded(rows: Sequence[dict[str, Any]], cache: tuple[ArchiveCache, Any] | None,
-             ) -> list[BaseMessage]:
     if cache is not None:
         return cache[0].load(cache[1], rows)
     return [_load(r["serde"], r["message"]) for r in rows]
 
 
 def archived_history(rows: Sequence[dict[str, Any]], earlier: Sequence[BaseMessage],
-                     cache: tuple[ArchiveCache, Any] | None = None, after: int = 0,
+                     cache: tuple[ArchiveCache, Any], after: int = 0,
                      ) -> list[BaseMessage] | None:
-    """The conversation from the archive's rows (`conversation_history`;
-    with `cache`, those past position `after`, as ArchiveCache.load takes
-    them), when it holds `earlier` (what the checkpoint holds of earlier
+    """The conversation from the archive's rows past position `after`
+    (`conversation_history`), completed by `cache` (an ArchiveCache, the
+    session), when it holds `earlier` (what the checkpoint holds of earlier
     turns) already, as after a completed turn: nothing to archive first.
     None otherwise (archive_and_load), or when the cache cannot complete
     the rows any more."""
-    if cache is None:
-        if unarchived(earlier, rows[-1] if rows else None):
-            return None
-        return _decoded(rows, None)
     history = cache[0].load(cache[1], rows, after)
     if history is None or unarchived(
             earlier, {"message_id": history[-1].id} if history else None):

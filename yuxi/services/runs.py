@@ -25,12 +25,20 @@ async def start_run(
     or duplicate job). `mark`: `source` is the run's checkpoint connection,
     marked with the lease in the same transaction. `job_id`: the run's job,
     removed from the queue with the lease (a claim on `yuxi_ready`)."""
+    query, params = _lease(run_id, token, lease_seconds, mark, host, job_id)
+    async with db.connection(source) as conn:
+        return await db.fetch_one(conn, query, params)
+
+
+def _lease(run_id: uuid.UUID, token: uuid.UUID, lease_seconds: float, mark: bool,
+           host: str | None, job_id: int | None) -> tuple[str, dict[str, Any]]:
+    """The statement that takes a run's lease: a claim's (its job removed
+    with it) or a job's."""
     params = {"run_id": run_id, "token": token, "lease_seconds": lease_seconds, "mark": mark,
               "host": host}
-    async with db.connection(source) as conn:
-        if job_id is None:
-            return await db.fetch_one(conn, "start_run", params)
-        return await db.fetch_one(conn, "claim_run", {**params, "job_id": job_id})
+    if job_id is None:
+        return "start_run", params
+    return "claim_run", {**params, "job_id": job_id}
 
 
 async def start_run_reading(
@@ -42,10 +50,7 @@ async def start_run_reading(
     the same round trip (one pipeline): what the run reads first, known by
     the run's id alone. Their rows are worth nothing when no run is
     returned."""
-    params = {"run_id": run_id, "token": token, "lease_seconds": lease_seconds, "mark": mark,
-              "host": host}
-    query, params = (("start_run", params) if job_id is None
-                     else ("claim_run", {**params, "job_id": job_id}))
+    query, params = _lease(run_id, token, lease_seconds, mark, host, job_id)
     with db.domain_errors():
         async with conn.pipeline():
             lease = await conn.execute(db.QUERIES[query], params)
