@@ -148,7 +148,7 @@ CREATE FUNCTION yuxi.record_effect_v1(
     p_run uuid, p_call_id text, p_tool text, p_fingerprint text, p_result jsonb
 ) RETURNS jsonb
     -- plpgsql, not sql: a SQL function that cannot be inlined is parsed and
-    -- planned again at every call (each effect of a fan-out makes one).
+    -- planned again at every call (each effect of a tool call makes one).
     LANGUAGE plpgsql AS $$
 BEGIN
     INSERT INTO yuxi.effects (turn_id, call_id, session_id, tree_id, user_id, app_id, tool,
@@ -160,85 +160,181 @@ BEGIN
 END;
 $$;
 
--- Create a child of the session whose run dispatches it, with a frozen config,
--- and submit its first input (exactly the task text). Returns the child id.
-CREATE FUNCTION yuxi.create_child_session_v1(
-    p_parent uuid, p_source_run uuid, p_name text, p_title text, p_agent uuid,
-    p_config jsonb, p_task text
-) RETURNS uuid
+-- Create children of the session whose run dispatches them, each with a
+-- frozen config and its first input (exactly its task text), set-based: a
+-- fan-out's batch of creates holds the tree's lock for a few statements, not
+-- for some twenty per child (issue 15: the tree's other runs wait on that
+-- lock). `p_children`: a JSON array of {name, title, task}. A new child has
+-- no turn in flight, none queued, no request key and an open queue, so each
+-- input is written started with its running turn, as receive_input_v1 would
+-- write it; its run takes one of the tree's free slots in order (ready, with
+-- its job) or waits pending in the tree FIFO, as start_turn_run_v1 would
+-- decide child by child (no hand-over offer is open in a create's
+-- transaction). Events per child, in order: session.created,
+-- input.received, turn.started. Returns the children in the given order.
+CREATE FUNCTION yuxi.create_children_v1(p_parent uuid, p_source_run uuid, p_agent uuid,
+                                        p_config jsonb, p_children jsonb)
+RETURNS TABLE (ord bigint, session_id uuid, name text, path text, input_id uuid,
+               turn_id uuid)
     LANGUAGE plpgsql AS $$
 DECLARE
     v_parent yuxi.sessions;
-    v_child uuid := gen_random_uuid();
+    v_tree yuxi.trees;
+    v_found boolean;
+    v_bad text;
+    v_free integer;
+    v_seq bigint;
+    v_runs uuid[] := ARRAY(SELECT gen_random_uuid()
+                             FROM generate_series(1, jsonb_array_length(p_children)));
+    v_run uuid;
 BEGIN
-    IF p_name IS NULL OR p_name !~ '^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$' OR p_name IN ('.', '..') THEN
+    SELECT true, c.value->>'name' INTO v_found, v_bad FROM jsonb_array_elements(p_children) c
+     WHERE coalesce(c.value->>'name', '') !~ '^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$'
+        OR c.value->>'name' IN ('.', '..')
+     LIMIT 1;
+    IF v_found THEN
         RAISE EXCEPTION 'invalid session name %: use 1-64 letters, digits, ".", "_" or "-", '
-            'starting with a letter or digit (a name, not a path)', coalesce(p_name, 'NULL')
+            'starting with a letter or digit (a name, not a path)', coalesce(v_bad, 'NULL')
             USING ERRCODE = 'YX007';
     END IF;
     SELECT * INTO v_parent FROM yuxi.sessions WHERE id = p_parent;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'session % not found', p_parent USING ERRCODE = 'YX002';
     END IF;
-    PERFORM yuxi.lock_tree_v1(v_parent.tree_id);
-    IF EXISTS (SELECT 1 FROM yuxi.sessions
-               WHERE tree_id = v_parent.tree_id AND path = v_parent.path || '/' || p_name) THEN
-        RAISE EXCEPTION 'session % already has a child named %', v_parent.path, p_name
+    v_tree := yuxi.lock_tree_v1(v_parent.tree_id);
+    -- A name taken, or given twice in the batch.
+    SELECT c.name INTO v_bad
+      FROM (SELECT x.value->>'name' AS name, x.o, count(*) OVER (PARTITION BY x.value->>'name') AS n
+              FROM jsonb_array_elements(p_children) WITH ORDINALITY x(value, o)) c
+     WHERE c.n > 1 OR EXISTS (SELECT 1 FROM yuxi.sessions s WHERE s.tree_id = v_parent.tree_id
+                                 AND s.path = v_parent.path || '/' || c.name)
+     ORDER BY c.o LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION 'session % already has a child named %', v_parent.path, v_bad
             USING ERRCODE = 'YX007';
     END IF;
-    INSERT INTO yuxi.sessions (id, tree_id, parent_id, user_id, app_id, agent_id, name, path,
-                               title, config, source_run_id)
-    VALUES (v_child, v_parent.tree_id, p_parent, v_parent.user_id, v_parent.app_id, p_agent,
-            p_name, v_parent.path || '/' || p_name, p_title, p_config, p_source_run);
-    PERFORM yuxi.emit_event_v1(v_parent.tree_id, v_child, NULL, p_source_run, 'session.created',
-                               jsonb_build_object('path', v_parent.path || '/' || p_name,
-                                                  'title', p_title, 'parent_id', p_parent));
-    PERFORM yuxi.receive_input_v1(v_child, v_parent.user_id, v_parent.app_id, p_task, 'queue',
-                                  '{}', NULL);
-    RETURN v_child;
+    -- slot_free_v1, child by child: the first ones take the free slots; once
+    -- one waits, every later one queues behind it.
+    v_free := CASE WHEN EXISTS (SELECT 1 FROM yuxi.runs
+                                 WHERE tree_id = v_tree.id AND status = 'pending') THEN 0
+                   ELSE v_tree.slot_capacity
+                        - (SELECT count(*) FROM yuxi.slot_claims WHERE tree_id = v_tree.id) END;
+    -- The tree's event numbers continue from its last one (emit_event_v1's
+    -- rule, under the same lock).
+    SELECT coalesce(max(seq), 0) INTO v_seq FROM yuxi.events WHERE tree_id = v_tree.id;
+    -- One statement: the sub-statements' foreign keys are checked at its end.
+    -- Identity columns (the FIFOs' seq, slot_seq) follow the given order.
+    RETURN QUERY
+    WITH c AS MATERIALIZED (
+        SELECT x.o AS ord, x.value->>'name' AS name, x.value->>'title' AS title,
+               x.value->>'task' AS task, v_parent.path || '/' || (x.value->>'name') AS path,
+               gen_random_uuid() AS sid, gen_random_uuid() AS iid, gen_random_uuid() AS tid,
+               v_runs[x.o] AS rid, x.o <= v_free AS ready
+          FROM jsonb_array_elements(p_children) WITH ORDINALITY x(value, o)),
+    s AS (INSERT INTO yuxi.sessions (id, tree_id, parent_id, user_id, app_id, agent_id, name,
+                                     path, title, config, source_run_id)
+          SELECT c.sid, v_tree.id, p_parent, v_parent.user_id, v_parent.app_id, p_agent, c.name,
+                 c.path, c.title, p_config, p_source_run FROM c ORDER BY c.ord),
+    i AS (INSERT INTO yuxi.inputs (id, session_id, tree_id, user_id, app_id, content, mode,
+                                   context_snapshot, turn_id, status, started_at)
+          SELECT c.iid, c.sid, v_tree.id, v_parent.user_id, v_parent.app_id, c.task, 'queue',
+                 p_config, c.tid, 'started', now() FROM c ORDER BY c.ord),
+    t AS (INSERT INTO yuxi.turns (id, session_id, tree_id, user_id, app_id, input_id, status,
+                                  started_at)
+          SELECT c.tid, c.sid, v_tree.id, v_parent.user_id, v_parent.app_id, c.iid, 'running',
+                 now() FROM c ORDER BY c.ord),
+    r AS (INSERT INTO yuxi.runs (id, turn_id, session_id, tree_id, user_id, app_id, config,
+                                 status)
+          SELECT c.rid, c.tid, c.sid, v_tree.id, v_parent.user_id, v_parent.app_id, p_config,
+                 CASE WHEN c.ready THEN 'ready' ELSE 'pending' END FROM c ORDER BY c.ord),
+    k AS (INSERT INTO yuxi.slot_claims (run_id, tree_id)
+          SELECT c.rid, v_tree.id FROM c WHERE c.ready),
+    e AS (INSERT INTO yuxi.events (tree_id, seq, user_id, app_id, session_id, turn_id, run_id,
+                                   type, data)
+          SELECT v_tree.id, v_seq + (c.ord - 1) * 3 + v.n, v_tree.user_id, v_tree.app_id, c.sid,
+                 CASE WHEN v.n > 1 THEN c.tid END,
+                 CASE v.n WHEN 1 THEN p_source_run WHEN 3 THEN c.rid END, v.type,
+                 CASE v.n
+                     WHEN 1 THEN jsonb_build_object('path', c.path, 'title', c.title,
+                                                    'parent_id', p_parent)
+                     WHEN 2 THEN jsonb_build_object('input_id', c.iid, 'mode', 'queue',
+                                                    'steer', false)
+                     ELSE jsonb_build_object('input_id', c.iid) END
+            FROM c, (VALUES (1, 'session.created'), (2, 'input.received'),
+                            (3, 'turn.started')) v(n, type)
+           ORDER BY c.ord, v.n)
+    SELECT c.ord, c.sid, c.name, c.path, c.iid, c.tid FROM c ORDER BY c.ord;
+    PERFORM pg_notify('yuxi_events', v_tree.id::text);
+    FOREACH v_run IN ARRAY v_runs[1:v_free] LOOP
+        PERFORM yuxi.defer_run_job_v1(v_run);
+    END LOOP;
+END;
+$$;
+-- Create one child (create_children_v1): with an agent's config, or by a
+-- user through the API. Returns the child id.
+CREATE FUNCTION yuxi.create_child_session_v1(
+    p_parent uuid, p_source_run uuid, p_name text, p_title text, p_agent uuid,
+    p_config jsonb, p_task text
+) RETURNS uuid
+    LANGUAGE plpgsql AS $$
+BEGIN
+    RETURN (SELECT c.session_id
+              FROM yuxi.create_children_v1(p_parent, p_source_run, p_agent, p_config,
+                                           jsonb_build_array(jsonb_build_object(
+                                               'name', p_name, 'title', p_title,
+                                               'task', p_task))) c);
 END;
 $$;
 
 -- The create_session tool's whole effect, for one or more calls of a run's
--- step, in one statement (issue 15): the lease check, then per call the
--- recorded effect of (turn, call) if any, else the child, its first input
--- and the effect record. A fan-out's calls go together (the worker batches
--- them: yuxi.runtime.group_commit), so the tree lock is taken once per
--- batch, never across the worker's round trips, and a child's claim waits
--- for one batch at most instead of queueing behind each call. A call that
--- fails fails its batch: the worker then makes each call on its own, so
--- that only that call's tool result is the error. `p_calls`: an array of
--- {call_id, fingerprint, name, title, task}; `p_config`: the children's
--- config (the run's own). Returns the tool results, in order.
+-- step, in one statement (issue 15): the lease check, the recorded effects
+-- of calls already made (a step re-executed after a crash: their results
+-- again, nothing new), then the other calls' children (create_children_v1)
+-- and their effect records. A fan-out's calls go together (the worker
+-- batches them: yuxi.runtime.group_commit), so the tree lock is taken once
+-- per batch, never across the worker's round trips. A call that fails fails
+-- its batch: the worker then makes each call on its own, so that only that
+-- call's tool result is the error. `p_calls`: an array of {call_id,
+-- fingerprint, name, title, task}; `p_config`: the children's config (the
+-- run's own). Returns the tool results, in order.
 CREATE FUNCTION yuxi.create_session_effects_v1(p_run uuid, p_token uuid, p_config jsonb,
                                                p_calls jsonb) RETURNS jsonb
     LANGUAGE plpgsql AS $$
 DECLARE
     v_run yuxi.runs;
-    v_call jsonb;
-    v_result jsonb;
-    v_child uuid;
-    v_results jsonb := '[]';
+    v_call text;
+    v_new jsonb;
 BEGIN
     v_run := yuxi.fence_run_v1(p_run, p_token);
-    FOR v_call IN SELECT value FROM jsonb_array_elements(p_calls) LOOP
-        v_result := yuxi.find_effect_v1(v_run.turn_id, v_call->>'call_id', 'create_session',
-                                        v_call->>'fingerprint');
-        IF v_result IS NULL THEN
-            v_child := yuxi.create_child_session_v1(v_run.session_id, p_run, v_call->>'name',
-                                                    v_call->>'title', NULL, p_config,
-                                                    v_call->>'task');
-            SELECT jsonb_build_object('session_id', v_child, 'name', v_call->>'name',
-                                      'path', s.path, 'input_id', i.id, 'turn_id', i.turn_id)
-              INTO v_result
-              FROM yuxi.inputs i JOIN yuxi.sessions s ON s.id = i.session_id
-             WHERE i.session_id = v_child ORDER BY i.seq LIMIT 1;
-            v_result := yuxi.record_effect_v1(p_run, v_call->>'call_id', 'create_session',
-                                              v_call->>'fingerprint', v_result);
-        END IF;
-        v_results := v_results || jsonb_build_array(v_result);
-    END LOOP;
-    RETURN v_results;
+    -- find_effect_v1's rule: the same key with another request is refused.
+    SELECT e.call_id INTO v_call
+      FROM jsonb_array_elements(p_calls) c
+      JOIN yuxi.effects e ON e.turn_id = v_run.turn_id AND e.call_id = c.value->>'call_id'
+     WHERE e.tool <> 'create_session' OR e.fingerprint <> c.value->>'fingerprint'
+     LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION 'tool call % of this turn was already recorded with another request',
+            v_call USING ERRCODE = 'YX004';
+    END IF;
+    SELECT jsonb_agg(c.value ORDER BY c.o) INTO v_new
+      FROM jsonb_array_elements(p_calls) WITH ORDINALITY c(value, o)
+     WHERE NOT EXISTS (SELECT 1 FROM yuxi.effects e
+                        WHERE e.turn_id = v_run.turn_id AND e.call_id = c.value->>'call_id');
+    IF v_new IS NOT NULL THEN
+        INSERT INTO yuxi.effects (turn_id, call_id, session_id, tree_id, user_id, app_id, tool,
+                                  fingerprint, result, first_run_id)
+        SELECT v_run.turn_id, v_new->(m.ord::int - 1)->>'call_id', v_run.session_id,
+               v_run.tree_id, v_run.user_id, v_run.app_id, 'create_session',
+               v_new->(m.ord::int - 1)->>'fingerprint',
+               jsonb_build_object('session_id', m.session_id, 'name', m.name, 'path', m.path,
+                                  'input_id', m.input_id, 'turn_id', m.turn_id),
+               p_run
+          FROM yuxi.create_children_v1(v_run.session_id, p_run, NULL, p_config, v_new) m;
+    END IF;
+    RETURN (SELECT jsonb_agg(e.result ORDER BY c.o)
+              FROM jsonb_array_elements(p_calls) WITH ORDINALITY c(value, o)
+              JOIN yuxi.effects e ON e.turn_id = v_run.turn_id
+                                 AND e.call_id = c.value->>'call_id');
 END;
 $$;
 

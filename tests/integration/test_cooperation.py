@@ -271,9 +271,9 @@ async def test_crash_after_the_effect_commit_and_before_the_checkpoint(
     scope = alice[1]
     # Test-only: recording the effect also ends the lease (the "crash").
     src = await rewrite_function(
-        pool, "yuxi.record_effect_v1", "    INSERT INTO yuxi.effects",
-        "    UPDATE yuxi.runs SET lease_expires_at = now() - interval '1 s' WHERE id = p_run;\n"
-        "    INSERT INTO yuxi.effects")
+        pool, "yuxi.create_session_effects_v1", "        INSERT INTO yuxi.effects",
+        "        UPDATE yuxi.runs SET lease_expires_at = now() - interval '1 s' "
+        "WHERE id = p_run;\n        INSERT INTO yuxi.effects")
     root = await new_session(pool, scope, orchestrator(1))
     receipt = await sessions.receive_input(pool, scope, root.id, content="orchestrate")
     from tests.integration.helpers import executor

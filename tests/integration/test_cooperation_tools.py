@@ -294,6 +294,85 @@ async def test_a_step_s_creates_go_in_one_statement_each_with_its_own_outcome(
         (run["session_id"],))) == sorted([*names, "new1", "new2"])
 
 
+async def test_a_batch_of_children_takes_the_free_slots_in_order_and_queues_the_rest(
+        pool, alice):
+    # create_children_v1 writes a batch set-based, as one child after the
+    # other would be written: the free slots go to the first children (ready,
+    # each with its job), the rest wait in the tree FIFO in the given order,
+    # each input is started with its running turn, and the events are the
+    # tree's next numbers, per child session.created, input.received,
+    # turn.started.
+    scope = alice[1]
+    run, token, _ctx = await running(pool, scope)
+    before = await scalar(pool, "SELECT max(seq) FROM yuxi.events WHERE tree_id = %s",
+                          (run["tree_id"],))
+    names = [f"k{i}" for i in range(6)]
+    results = await cooperation.create_sessions(pool, run["id"], token, run["config"], [
+        {"call_id": f"c{i}", "fingerprint": f"f{i}", "name": name, "title": None, "task": f"t{i}"}
+        for i, name in enumerate(names)])
+    assert [r["name"] for r in results] == names
+    kids = await rows(pool, """SELECT s.name, r.status, r.slot_seq, i.status AS input, i.content,
+                                      t.status AS turn, i.turn_id = t.id AS same_turn,
+                                      EXISTS (SELECT 1 FROM yuxi.slot_claims k
+                                               WHERE k.run_id = r.id) AS claimed
+                                 FROM yuxi.sessions s JOIN yuxi.runs r ON r.session_id = s.id
+                                 JOIN yuxi.turns t ON t.id = r.turn_id
+                                 JOIN yuxi.inputs i ON i.id = t.input_id
+                                WHERE s.parent_id = %s ORDER BY r.slot_seq""",
+                      (run["session_id"],))
+    # The root's run holds one of the tree's 4 slots.
+    assert [(k["name"], k["status"], k["claimed"]) for k in kids] == [
+        (n, "ready" if i < 3 else "pending", i < 3) for i, n in enumerate(names)]
+    assert all(k["input"] == "started" and k["turn"] == "running" and k["same_turn"]
+               for k in kids)
+    assert [k["content"] for k in kids] == [f"t{i}" for i in range(6)]
+    jobs = await rows(pool, "SELECT args->>'run_id' AS run FROM procrastinate.procrastinate_jobs "
+                            "WHERE task_name = 'execute_run' ORDER BY id")
+    ready = await rows(pool, "SELECT id::text FROM yuxi.runs WHERE status = 'ready' "
+                             "AND tree_id = %s ORDER BY slot_seq", (run["tree_id"],))
+    assert [j["run"] for j in jobs][-3:] == [r["id"] for r in ready]
+    events = await rows(pool, """SELECT e.seq, e.type, s.name FROM yuxi.events e
+                                  JOIN yuxi.sessions s ON s.id = e.session_id
+                                 WHERE e.tree_id = %s AND e.seq > %s ORDER BY e.seq""",
+                        (run["tree_id"], before))
+    assert [e["seq"] for e in events] == list(range(before + 1, before + 1 + 3 * 6))
+    assert [(e["type"], e["name"]) for e in events] == [
+        (t, n) for n in names for t in ("session.created", "input.received", "turn.started")]
+    # A later batch queues behind the waiting ones, in its own order.
+    await cooperation.create_sessions(pool, run["id"], token, run["config"], [
+        {"call_id": "c9", "fingerprint": "f9", "name": "late", "title": None, "task": "t"}])
+    order = await rows(pool, "SELECT s.name FROM yuxi.runs r JOIN yuxi.sessions s "
+                             "ON s.id = r.session_id WHERE r.tree_id = %s AND r.status = 'pending' "
+                             "ORDER BY r.slot_seq", (run["tree_id"],))
+    assert [o["name"] for o in order] == ["k3", "k4", "k5", "late"]
+
+
+async def test_a_batch_repeats_its_recorded_calls_and_makes_only_the_new_ones(pool, alice):
+    scope = alice[1]
+    run, token, _ctx = await running(pool, scope)
+
+    def call(i, name, fingerprint=None):
+        return {"call_id": f"c{i}", "fingerprint": fingerprint or f"f{i}", "name": name,
+                "title": None, "task": "t"}
+    first = await cooperation.create_sessions(pool, run["id"], token, run["config"],
+                                              [call(0, "a")])
+    again = await cooperation.create_sessions(pool, run["id"], token, run["config"],
+                                              [call(1, "b"), call(0, "a")])
+    assert again[1] == first[0] and again[0]["name"] == "b"
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.sessions WHERE parent_id = %s",
+                        (run["session_id"],)) == 2
+    # The same call id with another request fails the batch: nothing is made.
+    with pytest.raises(Conflict):
+        await cooperation.create_sessions(pool, run["id"], token, run["config"],
+                                          [call(2, "c"), call(0, "a", "changed")])
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.sessions WHERE parent_id = %s",
+                        (run["session_id"],)) == 2
+    # A name given twice in one batch is refused like a name already taken.
+    with pytest.raises(InvalidRequest):
+        await cooperation.create_sessions(pool, run["id"], token, run["config"],
+                                          [call(3, "d"), call(4, "d")])
+
+
 async def test_a_batch_of_creates_is_one_transaction(pool, alice):
     # Why a failed batch is made again call by call: the statement commits
     # all of its calls or none (here none, for the name already taken).
