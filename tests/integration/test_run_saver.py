@@ -418,3 +418,47 @@ async def test_a_read_checkpoint_is_langgraphs_tuple(checkpoint_pool, pending, m
     assert ours == theirs
     assert bool(ours.pending_writes) is pending
     assert threaded == ([True] if pending else [])
+
+
+async def test_later_reads_are_answered_from_the_first_each_with_its_own_copy(checkpoint_pool):
+    # A resumed run reads its state (aget_state), then LangGraph reads the
+    # checkpoint again to go on: one round trip for both. aget_state applies
+    # the pending writes to the checkpoint it got (versions, in place); the
+    # loop's read must not start from that.
+    from langchain_core.messages import HumanMessage
+    from langgraph.checkpoint.base import empty_checkpoint
+
+    thread = str(uuid.uuid4())
+    config = {"configurable": {"thread_id": thread, "checkpoint_ns": ""}}
+    async with checkpoint_pool.connection() as conn:
+        first = empty_checkpoint()
+        first["channel_values"] = {"messages": [HumanMessage("hi", id="h")]}
+        first["channel_versions"] = {"messages": "1"}
+        first["versions_seen"] = {"model": {"messages": "1"}}
+        await AsyncPostgresSaver(conn).aput(config, first, {"source": "input", "step": -1},
+                                            {"messages": "1"})
+        saver = RunSaver(conn)
+        reads = []
+        original = AsyncPostgresSaver.aget_tuple
+
+        async def counted(self, cfg):
+            reads.append(cfg)
+            return await original(self, cfg)
+
+        AsyncPostgresSaver.aget_tuple = counted
+        try:
+            looked = await saver.aget_tuple(config)
+            looked.checkpoint["channel_versions"]["messages"] = "2"
+            looked.checkpoint["versions_seen"]["model"]["messages"] = "2"
+            again = await saver.aget_tuple(config)
+            # Known without a read (carried from the previous run, or read
+            # with the lease): both reads are answered from it.
+            carried = RunSaver(conn, latest=looked)
+            await carried.aget_tuple(config)
+            await carried.aget_tuple(config)
+        finally:
+            AsyncPostgresSaver.aget_tuple = original
+    assert len(reads) == 1
+    assert again.checkpoint["channel_versions"] == {"messages": "1"}
+    assert again.checkpoint["versions_seen"] == {"model": {"messages": "1"}}
+    assert again.checkpoint["channel_values"]["messages"][0].content == "hi"

@@ -137,6 +137,12 @@ LATEST_OF_RUN = (AsyncPostgresSaver.SELECT_SQL
                    "AND checkpoint_ns = '' ORDER BY checkpoint_id DESC LIMIT 1")
 
 
+def _own_copy(found: CheckpointTuple | None) -> CheckpointTuple | None:
+    """A read checkpoint for one reader: its maps copied (LangGraph's
+    copy_checkpoint; the values themselves are never changed in place)."""
+    return None if found is None else found._replace(checkpoint=copy_checkpoint(found.checkpoint))
+
+
 class RunSaver(AsyncPostgresSaver):
     """The checkpointer of a run: LangGraph's Postgres saver, except that
     writes which nothing can run after are held back and go out with the
@@ -175,11 +181,15 @@ class RunSaver(AsyncPostgresSaver):
         # session's first turn, yuxi.leased_run.first_run): reads of its
         # latest checkpoint need no round trip until this saver writes one.
         self._empty = empty
-        # The last read and what it found, for one more read of the same
-        # checkpoint before anything is written: the run holds the lease, so
+        # The last read and what it found, for later reads of the same
+        # checkpoint until something is written: the run holds the lease, so
         # nothing else writes the thread meanwhile. (A turn's first run reads
         # the checkpoint to archive what an earlier turn left there, then
-        # LangGraph reads it again to start: one round trip for both.)
+        # LangGraph reads it again to start; a resumed run's state is read,
+        # then LangGraph reads it again to go on: one round trip for both.)
+        # Each reader gets its own copy of the checkpoint's maps
+        # (_own_copy): LangGraph applies pending writes to the checkpoint it
+        # read (aget_state does), which the next reader must not see.
         # `latest`: the thread's latest checkpoint as the previous run on this
         # connection wrote it (`latest_tuple`; a hand-over within the
         # session, whose lease left no gap for another writer): LangGraph's
@@ -432,9 +442,8 @@ class RunSaver(AsyncPostgresSaver):
         if self._empty and not self._held:
             return None
         if self._known(key := _read_key(config)):
-            found, self._reread = self._reread[1], None  # once: the first reader only looked
-            return found
+            return _own_copy(self._reread[1])
         await self._flushed()
         found = await super().aget_tuple(config)
         self._reread = (key, found)
-        return found
+        return _own_copy(found)
