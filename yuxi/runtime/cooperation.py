@@ -218,8 +218,10 @@ def create_batch(pool, run_id: uuid.UUID, token: uuid.UUID,
 
 
 # The most create_session calls in one statement: a batch holds the tree's
-# lock (~1 ms a call), and a child's claim waits for it.
-CREATE_BATCH = 16
+# lock (create_children_v1, set-based: ~0.3 ms a call here, so ~20 ms for
+# 64), and a child's claim waits for it. A 64-call fan-out in one statement
+# instead of four: its root suspends, freeing its slot, ~15 ms sooner.
+CREATE_BATCH = 64
 
 
 async def send_message(ctx: ToolContext, args: dict[str, Any]) -> Any:
