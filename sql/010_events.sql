@@ -27,6 +27,14 @@ BEGIN
 END;
 $$;
 
+-- The types of events that waits look at (match_waits_v1): a turn reaching
+-- a terminal or waiting state, a message sent.
+CREATE FUNCTION yuxi.event_wakes_waits_v1(p_type text) RETURNS boolean
+    LANGUAGE sql IMMUTABLE AS $$
+    SELECT p_type IN ('turn.completed', 'turn.failed', 'turn.cancelled', 'turn.waiting',
+                      'turn.waiting_user', 'message.sent');
+$$;
+
 -- Append an event with the tree's next sequence number and notify listeners
 -- of the tree (delivered at commit; the payload is the tree id only, so the
 -- events of one transaction make one notification). The number is the tree's
@@ -64,8 +72,7 @@ BEGIN
         PERFORM pg_notify('yuxi_turns', p_turn::text);
     END IF;
     -- Facts that waits look at wake them in this same transaction.
-    IF p_type IN ('turn.completed', 'turn.failed', 'turn.cancelled', 'turn.waiting',
-                  'turn.waiting_user', 'message.sent') THEN
+    IF yuxi.event_wakes_waits_v1(p_type) THEN
         PERFORM yuxi.match_waits_v1(p_tree, p_session, p_turn, p_type, p_data);
     END IF;
     RETURN v_seq;

@@ -65,3 +65,35 @@ async def test_a_lost_lease_records_nothing(pool, alice):
     with pytest.raises(LeaseLost):
         await reporter.tool_started(CALL)
     assert await _tool_events(pool, session) == []
+
+
+async def test_a_steps_events_take_the_trees_next_numbers_in_order_once_each(pool, alice):
+    # emit_run_events_v1 numbers a batch set-based: the tree's next numbers,
+    # in the calls' order, skipping a call already reported (a re-executed
+    # step) and a call given twice, with no gap.
+    session, receipt, reporter = await _running(pool, alice[1])
+    await reporter.tool_started({**CALL, "id": "b"})
+    before = await scalar(pool, "SELECT max(seq) FROM yuxi.events WHERE tree_id = %s",
+                          (session.tree_id,))
+    calls = [{**CALL, "id": i} for i in ("a", "b", "c", "c", "d")]
+    assert await reporter._start_calls(calls) == [True] * 5
+    rows = [e for e in await events(pool, session.tree_id) if e["seq"] > before]
+    assert [(e["seq"], e["type"], e["data"]["call_id"]) for e in rows] == [
+        (before + 1, "tool.started", "a"), (before + 2, "tool.started", "c"),
+        (before + 3, "tool.started", "d")]
+    assert all(e["run_id"] == reporter.run_id and e["turn_id"] == receipt.turn_id
+               for e in rows)
+    await reporter._finish_calls([({**CALL, "id": "a"}, "ra"), ({**CALL, "id": "d"}, "rd")])
+    finished = [e for e in await events(pool, session.tree_id) if e["type"] == "tool.finished"]
+    assert [(e["seq"], e["data"]["result"]) for e in finished] == [
+        (before + 4, "ra"), (before + 5, "rd")]
+
+
+async def test_a_batch_of_events_that_would_wake_waits_is_refused(pool, alice):
+    # Those go through emit_event_v1, which wakes the waits: the set-based
+    # batch would record them without waking anyone.
+    session, receipt, reporter = await _running(pool, alice[1])
+    with pytest.raises(Exception, match="wakes waits"):
+        async with pool.connection() as conn:
+            await conn.execute("SELECT yuxi.emit_run_events_v1(%s, %s, 'message.sent', "
+                               "'[{\"data\": {}}]')", (reporter.run_id, reporter.token))
