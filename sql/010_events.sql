@@ -79,6 +79,45 @@ BEGIN
 END;
 $$;
 
+-- Append a batch of events to a tree: emit_event_v1's rule, set-based
+-- (issue 15: a fan-out's 64 tool events, or its children's 192, in one
+-- insert instead of one pass each): the tree's next numbers in the given
+-- order under its lock, a dedupe key already recorded (or given twice)
+-- skipped without a gap, one notification. Only for events no wait looks
+-- at: those go through emit_event_v1, which wakes the waits. `p_events`: a
+-- JSON array of {session_id, turn_id, run_id, type, data, dedupe_key}.
+CREATE FUNCTION yuxi.emit_events_v1(p_tree uuid, p_events jsonb) RETURNS void
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_tree yuxi.trees;
+    v_type text;
+    v_seq bigint;
+BEGIN
+    SELECT e->>'type' INTO v_type FROM jsonb_array_elements(p_events) e
+     WHERE yuxi.event_wakes_waits_v1(e->>'type') LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION 'a % event wakes waits: emit it with emit_event_v1', v_type
+            USING ERRCODE = 'YX007';
+    END IF;
+    v_tree := yuxi.lock_tree_v1(p_tree);
+    SELECT coalesce(max(seq), 0) INTO v_seq FROM yuxi.events WHERE tree_id = p_tree;
+    INSERT INTO yuxi.events (tree_id, seq, user_id, app_id, session_id, turn_id, run_id, type,
+                             data, dedupe_key)
+    SELECT p_tree, v_seq + row_number() OVER (ORDER BY e.o), v_tree.user_id, v_tree.app_id,
+           (e.value->>'session_id')::uuid, (e.value->>'turn_id')::uuid,
+           (e.value->>'run_id')::uuid, e.value->>'type', coalesce(e.value->'data', '{}'), e.key
+      FROM (SELECT DISTINCT ON (coalesce(x.value->>'dedupe_key', x.o::text))
+                   x.value, x.o, x.value->>'dedupe_key' AS key
+              FROM jsonb_array_elements(p_events) WITH ORDINALITY x(value, o)
+             ORDER BY coalesce(x.value->>'dedupe_key', x.o::text), x.o) e
+     WHERE e.key IS NULL OR NOT EXISTS (SELECT 1 FROM yuxi.events d
+                                         WHERE d.tree_id = p_tree AND d.dedupe_key = e.key);
+    IF FOUND THEN
+        PERFORM pg_notify('yuxi_events', p_tree::text);
+    END IF;
+END;
+$$;
+
 -- Event retention (`yuxi events prune --before T`): a tree's events created
 -- before T go, except
 --   * its last event: numbers continue from it (the next is max(seq) + 1),

@@ -91,13 +91,17 @@ BEGIN
 END;
 $$;
 
--- A run of the tree that is being created can have a slot at once: one is
--- free and no run waits in the tree's FIFO. The caller holds the tree lock.
-CREATE FUNCTION yuxi.slot_free_v1(p_tree yuxi.trees) RETURNS boolean
+-- How many runs being created in the tree can have a slot at once: its free
+-- slots, none while a run waits in its FIFO (a new run never jumps the
+-- queue). The caller holds the tree lock.
+CREATE FUNCTION yuxi.free_slots_v1(p_tree yuxi.trees) RETURNS integer
     LANGUAGE plpgsql STABLE AS $$
 BEGIN
-    RETURN (SELECT count(*) FROM yuxi.slot_claims WHERE tree_id = p_tree.id) < p_tree.slot_capacity
-       AND NOT EXISTS (SELECT 1 FROM yuxi.runs WHERE tree_id = p_tree.id AND status = 'pending');
+    IF EXISTS (SELECT 1 FROM yuxi.runs WHERE tree_id = p_tree.id AND status = 'pending') THEN
+        RETURN 0;
+    END IF;
+    RETURN greatest(p_tree.slot_capacity
+                    - (SELECT count(*) FROM yuxi.slot_claims WHERE tree_id = p_tree.id), 0);
 END;
 $$;
 

@@ -58,7 +58,7 @@ RETURNS uuid
     LANGUAGE plpgsql AS $$
 DECLARE
     v_run uuid := gen_random_uuid();
-    v_ready boolean := yuxi.slot_free_v1(p_tree);
+    v_ready boolean := yuxi.free_slots_v1(p_tree) > 0;
     v_token uuid := CASE WHEN v_ready THEN yuxi.take_hand_over_v1(p_tree.id, v_run) END;
     v_host text := CASE WHEN v_token IS NOT NULL THEN yuxi.hand_over_host_v1() END;
 BEGIN

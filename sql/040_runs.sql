@@ -189,42 +189,23 @@ $$;
 
 -- Events of one type reported together by the executing worker (the
 -- `tool.started` or `tool.finished` of a step's parallel tool calls:
--- yuxi.runtime.group_commit), fenced by its lease, in one statement.
+-- yuxi.runtime.group_commit), fenced by its lease, in one statement
+-- (emit_events_v1: in order, consecutive numbers, duplicates skipped).
 -- `p_events`: a JSON array of {data, dedupe_key} (one jsonb parameter, not
 -- arrays: a text array of JSON costs the worker a regex escape per element).
--- Duplicates are skipped (a dedupe key already recorded in the tree, or
--- given twice). Set-based (issue 15: a fan-out's 64 events in one insert,
--- not 64 passes through emit_event_v1), by emit_event_v1's rule: the tree's
--- next numbers, in the given order, under the tree lock the fence took.
--- Only for events no wait looks at: those go through emit_event_v1, which
--- wakes the waits.
 CREATE FUNCTION yuxi.emit_run_events_v1(p_run uuid, p_token uuid, p_type text, p_events jsonb)
 RETURNS void
     LANGUAGE plpgsql AS $$
 DECLARE
     v_run yuxi.runs;
-    v_seq bigint;
 BEGIN
-    IF yuxi.event_wakes_waits_v1(p_type) THEN
-        RAISE EXCEPTION 'a % event wakes waits: emit it with emit_event_v1', p_type
-            USING ERRCODE = 'YX007';
-    END IF;
     v_run := yuxi.fence_run_v1(p_run, p_token);
-    SELECT coalesce(max(seq), 0) INTO v_seq FROM yuxi.events WHERE tree_id = v_run.tree_id;
-    INSERT INTO yuxi.events (tree_id, seq, user_id, app_id, session_id, turn_id, run_id, type,
-                             data, dedupe_key)
-    SELECT v_run.tree_id, v_seq + row_number() OVER (ORDER BY e.o), v_run.user_id,
-           v_run.app_id, v_run.session_id, v_run.turn_id, p_run, p_type,
-           coalesce(e.value->'data', '{}'), e.key
-      FROM (SELECT DISTINCT ON (coalesce(x.value->>'dedupe_key', x.o::text))
-                   x.value, x.o, x.value->>'dedupe_key' AS key
-              FROM jsonb_array_elements(p_events) WITH ORDINALITY x(value, o)
-             ORDER BY coalesce(x.value->>'dedupe_key', x.o::text), x.o) e
-     WHERE e.key IS NULL OR NOT EXISTS (SELECT 1 FROM yuxi.events d
-                                         WHERE d.tree_id = v_run.tree_id AND d.dedupe_key = e.key);
-    IF FOUND THEN
-        PERFORM pg_notify('yuxi_events', v_run.tree_id::text);
-    END IF;
+    PERFORM yuxi.emit_events_v1(v_run.tree_id, (
+        SELECT jsonb_agg(jsonb_build_object(
+                   'session_id', v_run.session_id, 'turn_id', v_run.turn_id, 'run_id', p_run,
+                   'type', p_type, 'data', e.value->'data',
+                   'dedupe_key', e.value->'dedupe_key') ORDER BY e.o)
+          FROM jsonb_array_elements(p_events) WITH ORDINALITY e(value, o)));
 END;
 $$;
 

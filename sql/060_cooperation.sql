@@ -183,7 +183,7 @@ DECLARE
     v_found boolean;
     v_bad text;
     v_free integer;
-    v_seq bigint;
+    v_made jsonb;
     v_runs uuid[] := ARRAY(SELECT gen_random_uuid()
                              FROM generate_series(1, jsonb_array_length(p_children)));
     v_run uuid;
@@ -213,18 +213,11 @@ BEGIN
         RAISE EXCEPTION 'session % already has a child named %', v_parent.path, v_bad
             USING ERRCODE = 'YX007';
     END IF;
-    -- slot_free_v1, child by child: the first ones take the free slots; once
-    -- one waits, every later one queues behind it.
-    v_free := CASE WHEN EXISTS (SELECT 1 FROM yuxi.runs
-                                 WHERE tree_id = v_tree.id AND status = 'pending') THEN 0
-                   ELSE v_tree.slot_capacity
-                        - (SELECT count(*) FROM yuxi.slot_claims WHERE tree_id = v_tree.id) END;
-    -- The tree's event numbers continue from its last one (emit_event_v1's
-    -- rule, under the same lock).
-    SELECT coalesce(max(seq), 0) INTO v_seq FROM yuxi.events WHERE tree_id = v_tree.id;
+    -- As start_turn_run_v1 would decide child by child: the first ones take
+    -- the free slots; once one waits, every later one queues behind it.
+    v_free := yuxi.free_slots_v1(v_tree);
     -- One statement: the sub-statements' foreign keys are checked at its end.
     -- Identity columns (the FIFOs' seq, slot_seq) follow the given order.
-    RETURN QUERY
     WITH c AS MATERIALIZED (
         SELECT x.o AS ord, x.value->>'name' AS name, x.value->>'title' AS title,
                x.value->>'task' AS task, v_parent.path || '/' || (x.value->>'name') AS path,
@@ -248,26 +241,36 @@ BEGIN
           SELECT c.rid, c.tid, c.sid, v_tree.id, v_parent.user_id, v_parent.app_id, p_config,
                  CASE WHEN c.ready THEN 'ready' ELSE 'pending' END FROM c ORDER BY c.ord),
     k AS (INSERT INTO yuxi.slot_claims (run_id, tree_id)
-          SELECT c.rid, v_tree.id FROM c WHERE c.ready),
-    e AS (INSERT INTO yuxi.events (tree_id, seq, user_id, app_id, session_id, turn_id, run_id,
-                                   type, data)
-          SELECT v_tree.id, v_seq + (c.ord - 1) * 3 + v.n, v_tree.user_id, v_tree.app_id, c.sid,
-                 CASE WHEN v.n > 1 THEN c.tid END,
-                 CASE v.n WHEN 1 THEN p_source_run WHEN 3 THEN c.rid END, v.type,
-                 CASE v.n
-                     WHEN 1 THEN jsonb_build_object('path', c.path, 'title', c.title,
-                                                    'parent_id', p_parent)
-                     WHEN 2 THEN jsonb_build_object('input_id', c.iid, 'mode', 'queue',
-                                                    'steer', false)
-                     ELSE jsonb_build_object('input_id', c.iid) END
-            FROM c, (VALUES (1, 'session.created'), (2, 'input.received'),
-                            (3, 'turn.started')) v(n, type)
-           ORDER BY c.ord, v.n)
-    SELECT c.ord, c.sid, c.name, c.path, c.iid, c.tid FROM c ORDER BY c.ord;
-    PERFORM pg_notify('yuxi_events', v_tree.id::text);
+          SELECT c.rid, v_tree.id FROM c WHERE c.ready)
+    SELECT jsonb_agg(jsonb_build_object('session_id', c.sid, 'name', c.name, 'path', c.path,
+                                        'title', c.title, 'input_id', c.iid, 'turn_id', c.tid,
+                                        'run_id', c.rid) ORDER BY c.ord)
+      INTO v_made FROM c;
+    -- Per child, in order: session.created, input.received, turn.started.
+    PERFORM yuxi.emit_events_v1(v_tree.id, (
+        SELECT jsonb_agg(jsonb_build_object(
+                   'session_id', m.value->'session_id', 'type', v.type,
+                   'turn_id', CASE WHEN v.n > 1 THEN m.value->'turn_id' END,
+                   'run_id', CASE v.n WHEN 1 THEN to_jsonb(p_source_run)
+                                      WHEN 3 THEN m.value->'run_id' END,
+                   'data', CASE v.n
+                       WHEN 1 THEN jsonb_build_object('path', m.value->'path',
+                                                      'title', m.value->'title',
+                                                      'parent_id', p_parent)
+                       WHEN 2 THEN jsonb_build_object('input_id', m.value->'input_id',
+                                                      'mode', 'queue', 'steer', false)
+                       ELSE jsonb_build_object('input_id', m.value->'input_id') END)
+                   ORDER BY m.o, v.n)
+          FROM jsonb_array_elements(v_made) WITH ORDINALITY m(value, o),
+               (VALUES (1, 'session.created'), (2, 'input.received'),
+                       (3, 'turn.started')) v(n, type)));
     FOREACH v_run IN ARRAY v_runs[1:v_free] LOOP
         PERFORM yuxi.defer_run_job_v1(v_run);
     END LOOP;
+    RETURN QUERY SELECT m.o, (m.value->>'session_id')::uuid, m.value->>'name',
+                        m.value->>'path', (m.value->>'input_id')::uuid,
+                        (m.value->>'turn_id')::uuid
+                   FROM jsonb_array_elements(v_made) WITH ORDINALITY m(value, o) ORDER BY m.o;
 END;
 $$;
 -- Create one child (create_children_v1): with an agent's config, or by a
@@ -306,20 +309,19 @@ DECLARE
     v_new jsonb;
 BEGIN
     v_run := yuxi.fence_run_v1(p_run, p_token);
-    -- find_effect_v1's rule: the same key with another request is refused.
-    SELECT e.call_id INTO v_call
-      FROM jsonb_array_elements(p_calls) c
-      JOIN yuxi.effects e ON e.turn_id = v_run.turn_id AND e.call_id = c.value->>'call_id'
-     WHERE e.tool <> 'create_session' OR e.fingerprint <> c.value->>'fingerprint'
-     LIMIT 1;
-    IF FOUND THEN
+    -- The calls not recorded yet, and find_effect_v1's rule for the others:
+    -- the same key with another request is refused.
+    SELECT min(c.value->>'call_id') FILTER (
+               WHERE e.tool <> 'create_session' OR e.fingerprint <> c.value->>'fingerprint'),
+           jsonb_agg(c.value ORDER BY c.o) FILTER (WHERE e.call_id IS NULL)
+      INTO v_call, v_new
+      FROM jsonb_array_elements(p_calls) WITH ORDINALITY c(value, o)
+      LEFT JOIN yuxi.effects e ON e.turn_id = v_run.turn_id
+                              AND e.call_id = c.value->>'call_id';
+    IF v_call IS NOT NULL THEN
         RAISE EXCEPTION 'tool call % of this turn was already recorded with another request',
             v_call USING ERRCODE = 'YX004';
     END IF;
-    SELECT jsonb_agg(c.value ORDER BY c.o) INTO v_new
-      FROM jsonb_array_elements(p_calls) WITH ORDINALITY c(value, o)
-     WHERE NOT EXISTS (SELECT 1 FROM yuxi.effects e
-                        WHERE e.turn_id = v_run.turn_id AND e.call_id = c.value->>'call_id');
     IF v_new IS NOT NULL THEN
         INSERT INTO yuxi.effects (turn_id, call_id, session_id, tree_id, user_id, app_id, tool,
                                   fingerprint, result, first_run_id)

@@ -10,7 +10,8 @@ import uuid
 
 import pytest
 
-from tests.integration.helpers import drain, new_session, rows, runs_with_status, scalar, say_agent
+from tests.integration.helpers import (
+    drain, new_session, rewrite_function, rows, runs_with_status, scalar, say_agent)
 from yuxi.errors import Conflict, InvalidRequest
 from yuxi.runtime import cooperation
 from yuxi.runtime.tools import ToolContext, ToolError, ToolOutput, call_tool, BUILTIN_TOOLS
@@ -345,6 +346,31 @@ async def test_a_batch_of_children_takes_the_free_slots_in_order_and_queues_the_
                              "ON s.id = r.session_id WHERE r.tree_id = %s AND r.status = 'pending' "
                              "ORDER BY r.slot_seq", (run["tree_id"],))
     assert [o["name"] for o in order] == ["k3", "k4", "k5", "late"]
+
+
+@pytest.mark.parametrize("guarded", [True, False])
+async def test_a_new_child_never_jumps_the_trees_queue(pool, alice, guarded):
+    # A slot free while runs wait in the tree's FIFO (here: the tree's
+    # capacity raised) belongs to the waiting runs: a new child queues
+    # behind them (free_slots_v1). Negative case: without the FIFO check it
+    # would start at once.
+    if not guarded:
+        await rewrite_function(pool, "yuxi.free_slots_v1", "IF EXISTS (SELECT 1 FROM yuxi.runs",
+                               "IF false AND EXISTS (SELECT 1 FROM yuxi.runs")
+    scope = alice[1]
+    run, token, _ctx = await running(pool, scope)
+
+    def calls(*names):
+        return [{"call_id": n, "fingerprint": n, "name": n, "title": None, "task": "t"}
+                for n in names]
+    await cooperation.create_sessions(pool, run["id"], token, run["config"],
+                                      calls("a", "b", "c", "d"))
+    await scalar(pool, "UPDATE yuxi.trees SET slot_capacity = 8 WHERE id = %s RETURNING id",
+                 (run["tree_id"],))
+    await cooperation.create_sessions(pool, run["id"], token, run["config"], calls("late"))
+    status = await scalar(pool, "SELECT r.status FROM yuxi.runs r JOIN yuxi.sessions s "
+                                "ON s.id = r.session_id WHERE s.name = 'late'")
+    assert status == ("pending" if guarded else "ready")
 
 
 async def test_a_batch_repeats_its_recorded_calls_and_makes_only_the_new_ones(pool, alice):

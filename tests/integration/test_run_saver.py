@@ -420,7 +420,8 @@ async def test_a_read_checkpoint_is_langgraphs_tuple(checkpoint_pool, pending, m
     assert threaded == ([True] if pending else [])
 
 
-async def test_later_reads_are_answered_from_the_first_each_with_its_own_copy(checkpoint_pool):
+async def test_later_reads_are_answered_from_the_first_each_with_its_own_copy(
+        checkpoint_pool, monkeypatch):
     # A resumed run reads its state (aget_state), then LangGraph reads the
     # checkpoint again to go on: one round trip for both. aget_state applies
     # the pending writes to the checkpoint it got (versions, in place); the
@@ -445,19 +446,16 @@ async def test_later_reads_are_answered_from_the_first_each_with_its_own_copy(ch
             reads.append(cfg)
             return await original(self, cfg)
 
-        AsyncPostgresSaver.aget_tuple = counted
-        try:
-            looked = await saver.aget_tuple(config)
-            looked.checkpoint["channel_versions"]["messages"] = "2"
-            looked.checkpoint["versions_seen"]["model"]["messages"] = "2"
-            again = await saver.aget_tuple(config)
-            # Known without a read (carried from the previous run, or read
-            # with the lease): both reads are answered from it.
-            carried = RunSaver(conn, latest=looked)
-            await carried.aget_tuple(config)
-            await carried.aget_tuple(config)
-        finally:
-            AsyncPostgresSaver.aget_tuple = original
+        monkeypatch.setattr(AsyncPostgresSaver, "aget_tuple", counted)
+        looked = await saver.aget_tuple(config)
+        looked.checkpoint["channel_versions"]["messages"] = "2"
+        looked.checkpoint["versions_seen"]["model"]["messages"] = "2"
+        again = await saver.aget_tuple(config)
+        # Known without a read (carried from the previous run, or read with
+        # the lease): both reads are answered from it.
+        carried = RunSaver(conn, latest=looked)
+        await carried.aget_tuple(config)
+        await carried.aget_tuple(config)
     assert len(reads) == 1
     assert again.checkpoint["channel_versions"] == {"messages": "1"}
     assert again.checkpoint["versions_seen"] == {"model": {"messages": "1"}}
