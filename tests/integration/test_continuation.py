@@ -62,10 +62,11 @@ async def test_without_hand_over_the_next_turn_gets_a_job(pool, checkpoint_pool,
     assert await _jobs(pool) == [str(first), str(second)]
 
 
-async def test_continuation_is_bounded_per_job(pool, checkpoint_pool, alice):
+async def test_continuation_is_bounded_per_job_while_the_process_is_full(pool, checkpoint_pool, alice):
     scope = alice[1]
     session, receipts, first = await _queued(pool, scope, 4)
-    assert await executor(pool, checkpoint_pool, continued_runs=1).execute(first) == "completed"
+    assert await executor(pool, checkpoint_pool, continued_runs=1,
+                          worker_concurrency=1).execute(first) == "completed"
     statuses = [(await sessions.get_turn(pool, scope, r.turn_id)).status for r in receipts]
     assert statuses == ["completed", "completed", "running", "queued"]
     (third,) = await runs_with_status(pool, "ready")

@@ -427,9 +427,13 @@ async def drive(graph: Any, cfg: dict[str, Any], run: dict[str, Any],
 
 # A worker goes on with a run its completion gave a slot to (leased to it in
 # the completing transaction, without a job: the tree's next pending run, the
-# parent its turn's end woke, its session's next queued turn) at most this
-# many times in one job, then leaves the next run to the queue: a busy tree
-# holds one worker slot for a bounded time while other trees' jobs wait.
+# parent its turn's end woke, its session's next queued turn). While the
+# process has a free slot, going on keeps no queued job waiting (the process
+# could take it all the same), so it is not counted: a fan-out's slot goes
+# from child to child without a break. Gone on this many times while the
+# process was full (or stopping), it leaves the next run to the queue: a busy
+# tree holds one worker slot for a bounded time while other trees' jobs wait.
+# 0: never go on.
 MAX_CONTINUED_RUNS = 8
 
 # How long a worker tries to report that a run was cut off by the database
@@ -471,6 +475,7 @@ class RunExecutor:
         # The process's runs at once, whether a job or a claim brought them
         # (YUXI_WORKER_CONCURRENCY).
         self.slots = asyncio.Semaphore(settings.worker_concurrency)
+        self.stopping = False
         self._claims: set[asyncio.Task[Any]] = set()
 
     def claims(self, queues: tuple[str, ...]) -> None:
@@ -499,7 +504,7 @@ class RunExecutor:
         self.listener.start()
 
     async def _claimed(self, run_id: uuid.UUID, job_id: int, session_id: uuid.UUID) -> None:
-        if self.slots.locked():
+        if self.slots.locked() or self.stopping:
             # Taken meanwhile (a burst of announcements): no waiting for a
             # slot, the job is there for that. (From here to taking the slot
             # in `execute` nothing awaits: no other task runs in between.)
@@ -514,6 +519,7 @@ class RunExecutor:
             log.info("run %s (claimed): %s", run_id, outcome)
 
     def stop_claims(self) -> None:
+        self.stopping = True  # the runs in flight finish; chains are bounded
         self.listener.stop_claiming()
 
     async def close_claims(self) -> None:
@@ -526,9 +532,10 @@ class RunExecutor:
     async def execute(self, run_id: uuid.UUID, *, job_id: int | None = None,
                       session_id: uuid.UUID | None = None) -> str:
         """Execute a run, then the runs handed over to this worker when a run
-        completed (up to max_continued_runs; sql/020_slots.sql). Returns what
-        happened to the last one: skipped (not ready: a stale or duplicate job,
-        or a run another worker claimed), completed, suspended, cancelled,
+        completed (bounded by max_continued_runs while the process is full;
+        sql/020_slots.sql). Returns what happened to the last one: skipped
+        (not ready: a stale or duplicate job, or a run another worker
+        claimed), completed, suspended, cancelled,
         failed, or lease_lost (then the worker changed nothing). `job_id`: a
         claim (`claims`), which removes the run's job with the lease.
         `session_id`, when known (a claim's announcement), lets the lease's
@@ -559,7 +566,8 @@ class RunExecutor:
             run[READ] = LeaseReads(latest[0] if latest else None, archive, after)
             outcome: str | None = None
             async with unmarked_after(conn, unless=lambda: outcome == "completed"):
-                for left in range(self.max_continued_runs, -1, -1):
+                left = self.max_continued_runs
+                while True:
                     outcome = None  # until this run's own outcome
                     outcome, following = await self._measured(run, token, conn, left > 0)
                     if following is None:
@@ -568,8 +576,9 @@ class RunExecutor:
                         return outcome
                     log.debug("run %s: %s; going on with run %s", run["id"], outcome,
                               following[0]["id"])
+                    if self.slots.locked() or self.stopping:
+                        left -= 1  # a queued job may wait for this slot
                     run, token = following
-        raise AssertionError("unreachable: the last run is never continued")
 
     async def _measured(self, run: dict[str, Any], token: uuid.UUID,
                         conn: psycopg.AsyncConnection, go_on: bool) -> tuple[str, Next | None]:
