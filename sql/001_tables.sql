@@ -288,3 +288,19 @@ CREATE UNIQUE INDEX events_dedupe_idx ON yuxi.events (tree_id, dedupe_key)
 -- No FK-support index on (session_id, ...): sessions are never deleted, and a
 -- session's events are read through the primary key (tree_id, seq); one index
 -- less to maintain on the table written most.
+
+-- A frozen config is stored again and again (the session's, each input's
+-- snapshot, each run's; a fan-out's children three times each). With lz4
+-- (when the server was built with it) a 5 KB config compresses ~6x faster
+-- than with pglz (~5 vs ~30 us): a 64-child batch ~5 ms sooner.
+DO $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM pg_settings WHERE name = 'default_toast_compression'
+                                            AND 'lz4' = ANY (enumvals)) THEN
+        ALTER TABLE yuxi.agents ALTER COLUMN config SET COMPRESSION lz4;
+        ALTER TABLE yuxi.sessions ALTER COLUMN config SET COMPRESSION lz4;
+        ALTER TABLE yuxi.inputs ALTER COLUMN context_snapshot SET COMPRESSION lz4;
+        ALTER TABLE yuxi.runs ALTER COLUMN config SET COMPRESSION lz4;
+    END IF;
+END;
+$$;

@@ -63,6 +63,33 @@ def test_check_constraints_are_named(postgresql):
     assert unnamed == []
 
 
+def test_frozen_configs_are_stored_with_lz4(postgresql):
+    # This server has lz4 (Debian's PostgreSQL is built with it): the columns
+    # that repeat a frozen config compress with it, the others keep pglz.
+    has_lz4 = postgresql.execute(
+        "SELECT 'lz4' = ANY (enumvals) FROM pg_settings "
+        "WHERE name = 'default_toast_compression'").fetchone()[0]
+    assert has_lz4
+    rows = dict(postgresql.execute(
+        """SELECT attrelid::regclass || '.' || attname, attcompression FROM pg_attribute
+           WHERE attrelid IN ('yuxi.agents'::regclass, 'yuxi.sessions'::regclass,
+                              'yuxi.inputs'::regclass, 'yuxi.runs'::regclass,
+                              'yuxi.events'::regclass)
+             AND attname IN ('config', 'context_snapshot', 'data')""").fetchall())
+    assert rows == {"yuxi.agents.config": "l", "yuxi.sessions.config": "l",
+                    "yuxi.inputs.context_snapshot": "l", "yuxi.runs.config": "l",
+                    "yuxi.events.data": ""}
+    user, app = _scope(postgresql)
+    big = '{"system_prompt": "%s"}' % ("be brief. " * 600)
+    session = postgresql.execute(
+        "SELECT id FROM yuxi.create_root_session_v1(%s, %s, NULL, NULL, %s)",
+        (user, app, big)).fetchone()[0]
+    assert postgresql.execute(
+        "SELECT pg_column_compression(config), config->>'system_prompt' = %s "
+        "FROM yuxi.sessions WHERE id = %s", ("be brief. " * 600, session)).fetchone() \
+        == ("lz4", True)
+
+
 def _scope(conn: psycopg.Connection) -> tuple[uuid.UUID, uuid.UUID]:
     user = conn.execute("INSERT INTO yuxi.users (name) VALUES ('u') RETURNING id").fetchone()[0]
     app = conn.execute("INSERT INTO yuxi.apps (name) VALUES ('a') RETURNING id").fetchone()[0]
