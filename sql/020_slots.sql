@@ -105,8 +105,8 @@ BEGIN
 END;
 $$;
 
--- Hand-over (issue 15). A worker completing a run offers, in its completing
--- transaction, to go on at once with a run that this transaction gives a
+-- Hand-over (issue 15). A worker completing (or suspending) a run offers, in
+-- that transaction, to go on at once with a run that this transaction gives a
 -- slot to: a pending run of the tree served by the slot it releases, the
 -- parent whose wait its completion satisfies, its session's next turn. The
 -- offer lasts until the transaction ends (transaction-local settings, so a

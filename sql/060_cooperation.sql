@@ -521,17 +521,25 @@ $$;
 -- condition already holds ('ready') or the wait would close a cycle of
 -- sessions waiting on each other ('cycle'), store the wait, release the slot
 -- (the worker job ends too), put the turn in `waiting` and schedule the
--- deadline. Returns 'suspended', 'ready' or 'cycle'.
+-- deadline. Returns 'suspended', 'ready' or 'cycle'; with p_next_token (as
+-- complete_run_v1), the run the released slot goes to, leased to the
+-- caller (`next_run`; p_mark: its checkpoint connection is marked with it).
 CREATE FUNCTION yuxi.suspend_run_v1(
     p_run uuid, p_token uuid, p_kind text, p_targets uuid[], p_cursor jsonb,
-    p_timeout_seconds double precision
-) RETURNS text
+    p_timeout_seconds double precision, p_next_token uuid DEFAULT NULL,
+    p_lease_seconds double precision DEFAULT NULL, p_mark boolean DEFAULT false,
+    OUT outcome text, OUT next_run yuxi.leased_run
+)
     LANGUAGE plpgsql AS $$
 DECLARE
     v_run yuxi.runs;
     v_wait uuid;
     v_deadline timestamptz;
+    v_next uuid;
 BEGIN
+    IF p_next_token IS NOT NULL AND p_lease_seconds IS NULL THEN
+        RAISE EXCEPTION 'a next run needs a lease duration' USING ERRCODE = 'YX007';
+    END IF;
     v_run := yuxi.fence_run_v1(p_run, p_token);
     -- Wait creation of one scope is serialized, so two sessions cannot each
     -- miss the other's new wait and close a cycle together.
@@ -545,10 +553,12 @@ BEGIN
             SELECT unnest(w.targets) FROM yuxi.waits w JOIN reach r ON w.session_id = r.session_id
              WHERE w.status = 'pending' AND w.kind = 'sessions')
         SELECT session_id FROM reach) THEN
-        RETURN 'cycle';
+        outcome := 'cycle';
+        RETURN;
     END IF;
     IF yuxi.wait_ready_v1(v_run.session_id, p_kind, p_targets, p_cursor) THEN
-        RETURN 'ready';
+        outcome := 'ready';
+        RETURN;
     END IF;
     v_deadline := now() + make_interval(secs => greatest(p_timeout_seconds, 0));
     INSERT INTO yuxi.waits (run_id, turn_id, session_id, tree_id, user_id, app_id, kind,
@@ -558,7 +568,6 @@ BEGIN
     RETURNING id INTO v_wait;
     UPDATE yuxi.runs SET status = 'suspended', finished_at = now() WHERE id = p_run;
     UPDATE yuxi.turns SET status = 'waiting' WHERE id = v_run.turn_id;
-    PERFORM yuxi.release_slot_v1(p_run);
     PERFORM yuxi.defer_job_v1('maintenance', 'expire_wait',
                               jsonb_build_object('wait_id', v_wait), v_deadline);
     PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
@@ -568,7 +577,21 @@ BEGIN
                                                   'deadline', v_deadline));
     PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
                                'turn.waiting', jsonb_build_object('wait_id', v_wait));
-    RETURN 'suspended';
+    -- The released slot goes to the tree's next pending run; with an offer,
+    -- that run is leased to this worker in this transaction (as a
+    -- completion's: a fan-out's last slot starts without a queue round trip).
+    IF p_next_token IS NOT NULL THEN
+        PERFORM yuxi.offer_hand_over_v1(p_next_token, p_lease_seconds, v_run.host_id);
+    END IF;
+    PERFORM yuxi.release_slot_v1(p_run);
+    v_next := yuxi.close_hand_over_v1();
+    IF v_next IS NOT NULL THEN
+        IF p_mark THEN
+            PERFORM yuxi.mark_checkpoint_connection_v1(v_next::text, p_next_token::text);
+        END IF;
+        next_run := yuxi.leased_run_v1(v_next);
+    END IF;
+    outcome := 'suspended';
 END;
 $$;
 

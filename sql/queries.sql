@@ -295,8 +295,9 @@ SELECT id AS input_id, status, turn_id, session_id FROM yuxi.inputs
 WHERE id = ANY(%(ids)s) AND user_id = %(user_id)s AND app_id = %(app_id)s;
 
 -- name: suspend_run
-SELECT yuxi.suspend_run_v1(%(run_id)s, %(token)s, %(kind)s, %(targets)s, %(cursor)s,
-                           %(timeout)s) AS outcome;
+SELECT s.outcome, (s.next_run).*
+FROM yuxi.suspend_run_v1(%(run_id)s, %(token)s, %(kind)s, %(targets)s, %(cursor)s,
+                         %(timeout)s, %(next_token)s, %(lease_seconds)s, %(mark)s) s;
 
 -- name: resume_wait
 SELECT yuxi.resume_wait_v1(%(wait_id)s) AS run_id;

@@ -206,13 +206,13 @@ async def test_wait_cycle_is_refused_instead_of_hanging(pool, checkpoint_pool, a
     child = await cooperation.create_session(ctx_a("mk"), {"name": "b", "task": "t"})
     # Make the parent wait on the child (suspended with a pending wait).
     assert await runs.suspend(pool, run_a["id"], token_a, "sessions",
-                              [uuid.UUID(child["session_id"])], {}, 60) == "suspended"
+                              [uuid.UUID(child["session_id"])], {}, 60) == ("suspended", None)
     # The child now tries to wait on its parent: that closes a cycle.
     (child_run,) = await runs_with_status(pool, "ready")
     token_b = uuid.uuid4()
     await runs.start_run(pool, child_run, token_b, 60)
     assert await runs.suspend(pool, child_run, token_b, "sessions", [run_a["session_id"]], {},
-                              60) == "cycle"
+                              60) == ("cycle", None)
     assert await scalar(pool, "SELECT count(*) FROM yuxi.waits") == 1
 
 

@@ -163,6 +163,109 @@ async def test_a_stopping_worker_bounds_its_chains(pool, checkpoint_pool, alice)
     assert await _jobs(pool) == [str(kids[0]), str(kids[2])]
 
 
+def fanner(n: int) -> dict:
+    """A parent that creates `n` children in one step and waits for all
+    their inputs (the benchmark's fan-out, small)."""
+    return {"model": "replay", "tools": ["cooperation"], "replay": {
+        "rules": [{"match": "^fan", "steps": [
+            {"call": [{"tool": "create_session", "args": {"name": f"c{i}", "task": f"t{i}"}}
+                      for i in range(n)]},
+            {"call": [{"tool": "wait_inputs", "args": {
+                "input_ids": "{{ results|map(attribute='input_id')|list }}", "timeout_s": 60}}]},
+            {"say": "all done"},
+        ]}],
+        "default": [{"say": "did {{ input }}"}]}}
+
+
+async def _waiting_kids(pool, root) -> list[uuid.UUID]:
+    """Two children created while the root holds the tree's only slot: they
+    are pending."""
+    kids = [await _child(pool, root, f"k{i}") for i in range(2)]
+    assert [await _status(pool, k) for k in kids] == ["pending"] * 2
+    return kids
+
+
+async def test_a_suspension_hands_its_slot_over(pool, checkpoint_pool, alice):
+    scope = alice[1]
+    root, root_run, token = await _running_root(pool, scope)
+    kids = await _waiting_kids(pool, root)
+    inputs = [await scalar(pool, "SELECT input_id FROM yuxi.turns t JOIN yuxi.runs r "
+                                 "ON r.turn_id = t.id WHERE r.id = %s", (k,)) for k in kids]
+    next_token = uuid.uuid4()
+    outcome, following = await runs.suspend(pool, root_run, token, "inputs", inputs, {}, 60,
+                                            next_token=next_token, lease_seconds=60)
+    assert (outcome, following["id"]) == ("suspended", kids[0])
+    assert await rows(pool, "SELECT status, lease_token FROM yuxi.runs WHERE id = %s",
+                      (kids[0],)) == [{"status": "running", "lease_token": next_token}]
+    assert [await _status(pool, k) for k in kids] == ["running", "pending"]
+    assert await _jobs(pool) == [str(root_run)]  # no job for the child
+    log = await events(pool, root.tree_id)
+    tail = [(e["type"], e["run_id"]) for e in log[-3:]]
+    # The root's suspension is told before the child's start.
+    assert tail == [("run.suspended", root_run), ("turn.waiting", root_run),
+                    ("run.started", kids[0])]
+    assert log[-1]["data"]["handed_over"] is True
+
+
+async def test_without_an_offer_a_suspension_gives_its_slot_a_job(pool, checkpoint_pool,
+                                                                   alice):
+    # Negative: no next token, no lease: the child gets a job, as before.
+    scope = alice[1]
+    root, root_run, token = await _running_root(pool, scope)
+    kids = await _waiting_kids(pool, root)
+    inputs = [await scalar(pool, "SELECT input_id FROM yuxi.turns t JOIN yuxi.runs r "
+                                 "ON r.turn_id = t.id WHERE r.id = %s", (k,)) for k in kids]
+    assert await runs.suspend(pool, root_run, token, "inputs", inputs, {}, 60) \
+        == ("suspended", None)
+    assert [await _status(pool, k) for k in kids] == ["ready", "pending"]
+    assert await _jobs(pool) == [str(root_run), str(kids[0])]
+
+
+async def test_a_wait_that_is_ready_hands_nothing_over(pool, checkpoint_pool, alice):
+    # The offer is made only once the wait is stored and the slot released:
+    # a 'ready' outcome keeps the slot and leases nothing.
+    scope = alice[1]
+    root, root_run, token = await _running_root(pool, scope)
+    kids = await _waiting_kids(pool, root)
+    assert await runs.suspend(pool, root_run, token, "inputs", [], {}, 60,
+                              next_token=uuid.uuid4(), lease_seconds=60) == ("ready", None)
+    assert await _status(pool, root_run) == "running"
+    assert [await _status(pool, k) for k in kids] == ["pending"] * 2
+
+
+async def test_a_fan_out_runs_in_its_roots_job(pool, checkpoint_pool, alice):
+    # A tree of one slot: the root creates three children and waits; its
+    # suspension hands the slot to the first child, each child's completion
+    # to the next, and the last one's wakes the root. One job for all.
+    scope = alice[1]
+    root = await new_session(pool, scope, fanner(3))
+    await _capacity(pool, root.tree_id, 1)
+    receipt = await sessions.receive_input(pool, scope, root.id, content="fan")
+    (root_run,) = await runs_with_status(pool, "ready")
+    assert await executor(pool, checkpoint_pool).execute(root_run) == "completed"
+    result = await sessions.get_result(pool, scope, receipt.turn_id)
+    assert (result.status, result.output["text"]) == ("completed", "all done")
+    assert await _jobs(pool) == [str(root_run)]
+    started = [e["data"].get("handed_over", False) for e in await events(pool, root.tree_id)
+               if e["type"] == "run.started"]
+    assert started == [False, True, True, True, True]
+
+
+async def test_without_going_on_a_fan_out_root_leaves_its_slot_to_a_job(
+        pool, checkpoint_pool, alice):
+    # Negative of the above: a worker that may not go on suspends the root
+    # and the first child gets a job.
+    scope = alice[1]
+    root = await new_session(pool, scope, fanner(3))
+    await _capacity(pool, root.tree_id, 1)
+    await sessions.receive_input(pool, scope, root.id, content="fan")
+    (root_run,) = await runs_with_status(pool, "ready")
+    assert await executor(pool, checkpoint_pool, continued_runs=0).execute(root_run) \
+        == "suspended"
+    (first_child,) = await runs_with_status(pool, "ready")
+    assert await _jobs(pool) == [str(root_run), str(first_child)]
+
+
 async def test_one_completion_hands_over_one_run(pool, checkpoint_pool, alice):
     # Two slots freed at once (the capacity was raised while children
     # waited): one child is leased to the worker, the other gets a job.

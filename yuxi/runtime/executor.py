@@ -761,11 +761,16 @@ class RunExecutor:
                     await runs.suspend_for_user(self.pool, run["id"], token, *ask)
                     return "suspended", None
                 wait = stop.cooperation_wait()
-                outcome = await runs.suspend(
-                    self.pool, run["id"], token, wait["kind"],
-                    [uuid.UUID(t) for t in wait["targets"]], wait["cursor"], wait["timeout_s"])
+                # On the checkpoint connection, as a completion: the slot it
+                # releases may come back as the run to go on with.
+                next_token = uuid.uuid4() if go_on else None
+                outcome, following = await runs.suspend(
+                    saver.conn, run["id"], token, wait["kind"],
+                    [uuid.UUID(t) for t in wait["targets"]], wait["cursor"], wait["timeout_s"],
+                    next_token=next_token, lease_seconds=self.settings.lease_seconds,
+                    mark=True, saver=saver)
                 if outcome == "suspended":
-                    return "suspended", None
+                    return outcome, (following, next_token) if following else None
                 resume, extra = {"reason": outcome}, []  # ready or cycle: answer at once
                 continue
             next_token = uuid.uuid4() if go_on else None

@@ -168,16 +168,27 @@ async def fail(pool: AsyncConnectionPool, run_id: uuid.UUID, token: uuid.UUID, e
 
 
 async def suspend(
-    pool: AsyncConnectionPool, run_id: uuid.UUID, token: uuid.UUID, kind: str,
-    targets: list[uuid.UUID], cursor: dict[str, int], timeout_s: float,
-) -> str:
+    source: AsyncConnectionPool | AsyncConnection, run_id: uuid.UUID, token: uuid.UUID,
+    kind: str, targets: list[uuid.UUID], cursor: dict[str, int], timeout_s: float, *,
+    next_token: uuid.UUID | None = None, lease_seconds: float | None = None,
+    mark: bool = False, saver: Any = None,
+) -> tuple[str, dict[str, Any] | None]:
     """Suspend the run on a wait: 'suspended', or 'ready' / 'cycle' when the
-    run must go on at once."""
-    async with pool.connection() as conn:
-        row = await db.fetch_one(conn, "suspend_run", {
-            "run_id": run_id, "token": token, "kind": kind, "targets": targets,
-            "cursor": Jsonb(cursor), "timeout": timeout_s})
-    return row["outcome"]
+    run must go on at once. With `next_token`, the run the released slot
+    goes to comes back leased, as from `complete` (then the caller must
+    execute it); `saver`: the run's held checkpoint writes go out first, in
+    the same transaction."""
+    params = {"run_id": run_id, "token": token, "kind": kind, "targets": targets,
+              "cursor": Jsonb(cursor), "timeout": timeout_s, "next_token": next_token,
+              "lease_seconds": lease_seconds, "mark": mark}
+    if saver is not None:
+        with db.domain_errors():
+            row = await saver.write_with(db.QUERIES["suspend_run"], params)
+    else:
+        async with db.connection(source) as conn:
+            row = await db.fetch_one(conn, "suspend_run", params)
+    outcome = row.pop("outcome")
+    return outcome, (row if row["id"] is not None else None)
 
 
 async def suspend_for_user(pool: AsyncConnectionPool, run_id: uuid.UUID, token: uuid.UUID,
