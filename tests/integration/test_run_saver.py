@@ -12,6 +12,7 @@ import asyncio
 
 import uuid
 
+import msgspec
 import psycopg
 import pytest
 from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
@@ -41,7 +42,8 @@ def writes(monkeypatch):
     original_with = RunSaver.write_with
 
     async def counted_with(self, query, params):
-        made.append(f"{len(self._held)} with completion")
+        what = "tool.started" if "start_tool_calls" in query else "completion"
+        made.append(f"{len(self._held)} with {what}")
         return await original_with(self, query, params)
 
     monkeypatch.setattr(RunSaver, "write_with", counted_with)
@@ -221,11 +223,13 @@ async def test_tool_writes_go_out_at_once(pool, checkpoint_pool, alice, writes):
     await sessions.receive_input(pool, scope, session.id, content="q")
     (run_id,) = await runs_with_status(pool, "ready")
     assert await executor(pool, checkpoint_pool).execute(run_id) == "completed"
-    # input + step 0 + model writes + step 1 (8 statements) | the writes of
-    # echo a and echo b, which ended together: one pipeline of 2 (a
-    # fan-out's results do not take a transaction each), before step 2
-    # (LangGraph's aput) | model writes + step 3 with the completion.
-    assert writes == [8, "2 of tasks", 2, "aput", "3 with completion"], writes
+    # input + step 0 + model writes + step 1 (8 statements) with the calls'
+    # tool.started, before either runs | the writes of echo a and echo b,
+    # which ended together: one pipeline of 2 (a fan-out's results do not
+    # take a transaction each), before step 2 (LangGraph's aput) | model
+    # writes + step 3 with the completion.
+    assert writes == ["8 with tool.started", "2 of tasks", 2, "aput", "3 with completion"], \
+        writes
 
 
 async def test_the_last_checkpoint_commits_with_the_completion_or_not_at_all(
@@ -249,6 +253,137 @@ async def test_the_last_checkpoint_commits_with_the_completion_or_not_at_all(
     assert (await sessions.get_turn(pool, scope, receipt.turn_id)).status == "running"
     monkeypatch.setattr(RunSaver, "write_with", original)
     await _recover_and_finish(pool, checkpoint_pool, scope, session, receipt, run_id)
+
+
+TWO_ECHOES = {"model": "replay", "tools": ["echo"], "replay": {"default": [
+    {"call": [{"tool": "echo", "args": {"text": "a"}}, {"tool": "echo", "args": {"text": "b"}}]},
+    {"say": "done"}]}}
+
+
+def _count_echoes(monkeypatch) -> list[str]:
+    from yuxi.runtime import tools as tools_module
+    echoed: list[str] = []
+    echo = tools_module.BUILTIN_TOOLS["echo"]
+
+    async def counted(ctx, args):
+        echoed.append(args["text"])
+        return await echo.fn(ctx, args)
+
+    monkeypatch.setitem(tools_module.BUILTIN_TOOLS, "echo",
+                        msgspec.structs.replace(echo, fn=counted))
+    return echoed
+
+
+async def test_an_answer_with_tool_calls_is_saved_with_the_calls_start(
+        pool, checkpoint_pool, alice):
+    # The answer's `message` event, its step's checkpoint and the calls'
+    # `tool.started` commit in one transaction, before any tool runs.
+    scope = alice[1]
+    session = await new_session(pool, scope, TWO_ECHOES)
+    await sessions.receive_input(pool, scope, session.id, content="q")
+    (run_id,) = await runs_with_status(pool, "ready")
+    assert await executor(pool, checkpoint_pool).execute(run_id) == "completed"
+    found = await rows(pool, "SELECT type, seq, xmin::text AS tx FROM yuxi.events "
+                             "WHERE session_id = %s AND (type = 'tool.started' OR type = "
+                             "'message' AND data->'tool_calls' <> '[]') ORDER BY seq",
+                       (session.id,))
+    assert [r["type"] for r in found] == ["message", "tool.started", "tool.started"]
+    assert len({r["tx"] for r in found}) == 1
+    assert [r["seq"] for r in found] == list(range(found[0]["seq"], found[0]["seq"] + 3))
+    # (That the answer's step commits with them: the cut-off test below.)
+
+
+async def test_a_run_cut_off_as_its_calls_start_runs_no_tool(
+        pool, checkpoint_pool, alice, monkeypatch):
+    # The connection dies as the answer's step and the calls' start go out:
+    # nothing of the step is saved and no tool ran; the next run asks the
+    # model again and runs each tool once.
+    scope = alice[1]
+    echoed = _count_echoes(monkeypatch)
+    session = await new_session(pool, scope, TWO_ECHOES)
+    receipt = await sessions.receive_input(pool, scope, session.id, content="q")
+    (run_id,) = await runs_with_status(pool, "ready")
+    original = RunSaver.write_with
+
+    async def cut_off(self, query, params):
+        if "start_tool_calls" in query:
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return await original(self, query, params)
+
+    monkeypatch.setattr(RunSaver, "write_with", cut_off)
+    assert await executor(pool, checkpoint_pool).execute(run_id) == "infra_fault"
+    assert echoed == []
+    assert await conversation.messages(checkpoint_pool, session.id) == []
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.events WHERE session_id = %s "
+                              "AND type IN ('message', 'tool.started')", (session.id,)) == 0
+    monkeypatch.setattr(RunSaver, "write_with", original)
+    (retry,) = await runs.recover_expired(pool, max_attempts=3)
+    (ready,) = await runs_with_status(pool, "ready")
+    assert await executor(pool, checkpoint_pool).execute(ready) == "completed"
+    assert sorted(echoed) == ["a", "b"]
+    result = await sessions.get_result(pool, scope, receipt.turn_id)
+    assert (result.status, result.output["text"]) == ("completed", "done")
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.events WHERE session_id = %s "
+                              "AND type = 'message' AND data->'tool_calls' <> '[]'",
+                        (session.id,)) == 1
+
+
+# A parent that waits for a child, then loops on echo calls: its resumed run
+# starts with the wait's tool step, so the step limit (an even number of
+# steps) ends it right after an answer that asks for a call.
+LOOPS_AFTER_A_WAIT = {"model": "replay", "tools": ["cooperation", "echo"], "max_steps": 2,
+                      "replay": {"rules": [{"match": "^wake", "steps": [
+                          {"call": [{"tool": "create_session",
+                                     "args": {"name": "w", "task": "child"}}]},
+                          {"call": [{"tool": "wait_inputs", "args": {
+                              "input_ids": "{{ results|map(attribute='input_id')|list }}",
+                              "timeout_s": 60}}]},
+                          *[{"call": [{"tool": "echo", "args": {"text": "x"}}]}] * 9]}],
+                                 "default": [{"say": "child done"}]}}
+
+
+async def _last_answer_kept(pool, checkpoint_pool, scope) -> tuple[list[str], int]:
+    session = await new_session(pool, scope, LOOPS_AFTER_A_WAIT)
+    receipt = await sessions.receive_input(pool, scope, session.id, content="wake")
+    (first,) = await runs_with_status(pool, "ready")
+    assert await executor(pool, checkpoint_pool, continued_runs=0).execute(first) \
+        == "suspended"
+    (child,) = await runs_with_status(pool, "ready")
+    assert await executor(pool, checkpoint_pool, continued_runs=0).execute(child) \
+        == "completed"
+    (resumed,) = await runs_with_status(pool, "ready")
+    assert await executor(pool, checkpoint_pool, continued_runs=0).execute(resumed) \
+        == "failed"
+    assert (await sessions.get_turn(pool, scope, receipt.turn_id)).status == "failed"
+    roles = [m["role"] for m in await conversation.messages(checkpoint_pool, session.id)]
+    answers = await scalar(pool, "SELECT count(*) FROM yuxi.events WHERE session_id = %s "
+                                 "AND type = 'message'", (session.id,))
+    return roles, answers
+
+
+async def test_a_turn_failing_at_its_step_limit_keeps_its_last_answer(
+        pool, checkpoint_pool, alice):
+    # The step limit ends the turn right after an answer that asks for a
+    # tool call: the answer (its event and its step) is saved all the same.
+    roles, answers = await _last_answer_kept(pool, checkpoint_pool, alice[1])
+    assert roles[-2:] == ["tool", "ai"], roles
+    assert answers == roles.count("ai")
+
+
+async def test_without_the_flush_the_failed_turns_last_answer_is_lost(
+        pool, checkpoint_pool, alice, monkeypatch):
+    # Negative: without saving what waited for the calls' start, the last
+    # answer is neither in the conversation nor among the events.
+    from yuxi.runtime.executor import EventReporter
+
+    async def nothing(self) -> None:
+        return None
+
+    monkeypatch.setattr(EventReporter, "flush", nothing)
+    monkeypatch.setattr(RunSaver, "write_held", nothing)
+    roles, answers = await _last_answer_kept(pool, checkpoint_pool, alice[1])
+    assert roles[-2:] == ["ai", "tool"], roles
+    assert answers == roles.count("ai")
 
 
 async def test_a_completion_refused_by_the_fence_writes_no_checkpoint(

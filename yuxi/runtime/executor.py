@@ -29,7 +29,7 @@ from psycopg_pool import AsyncConnectionPool
 from yuxi import db
 from yuxi.errors import LeaseLost, SandboxElsewhere, YuxiError, is_connection_error
 from yuxi.runtime.calls import CallPolicy
-from yuxi.runtime.graph import build_graph, set_history
+from yuxi.runtime.graph import DEPS, build_graph, set_history
 from yuxi.runtime.group_commit import GroupCommit
 from yuxi.runtime.live import CallCancelled, WorkerListener, DeltaBatcher
 from yuxi.runtime.models import build_chat_model
@@ -59,12 +59,19 @@ class EventReporter:
     A final answer (no tool calls) is not reported here: its `message` event
     commits with the completion (`RunExecutor` passes it to `complete`), one
     transaction less per turn; a run recovered after its final checkpoint
-    reports it then."""
+    reports it then. With the run's `saver`, an answer with tool calls waits
+    too: its event goes with the calls' `tool.started`, in the saver's round
+    trip that also writes the answer's step (RunSaver holds it for that),
+    before any tool runs."""
 
     def __init__(self, pool: AsyncConnectionPool, run_id: uuid.UUID, token: uuid.UUID,
-                 turn_id: uuid.UUID, deltas: DeltaBatcher | None = None) -> None:
+                 turn_id: uuid.UUID, deltas: DeltaBatcher | None = None,
+                 saver: Any = None) -> None:
         self.pool, self.run_id, self.token, self.turn_id = pool, run_id, token, turn_id
         self.deltas = deltas
+        self.saver = saver
+        # An answer's event (message_event) waiting for its calls' start.
+        self._answer: tuple[str, dict[str, Any], str] | None = None
         self._starts = GroupCommit(self._start_calls)
         self._finishes = GroupCommit(self._finish_calls)
 
@@ -88,7 +95,17 @@ class EventReporter:
         if self.deltas is not None:
             await self.deltas.flush()
         if message.tool_calls:
-            await self._emit(*message_event(message))
+            if self.saver is None:
+                await self._emit(*message_event(message))
+            else:
+                self._answer = message_event(message)
+
+    async def flush(self) -> None:
+        """Send an answer's event still waiting for its calls' start (the
+        run ends before they start: its step limit)."""
+        if (answer := self._answer) is not None:
+            self._answer = None
+            await self._emit(*answer)
 
     async def tool_started(self, call: dict[str, Any]) -> None:
         """The call's `tool.started`, or TurnCancelled when a cancel intent
@@ -101,11 +118,20 @@ class EventReporter:
         await self._finishes.submit((call, result))
 
     async def _start_calls(self, calls: list[dict[str, Any]]) -> list[bool]:
-        async with self.pool.connection() as conn:
-            row = await db.fetch_one(conn, "start_tool_calls", {
-                "run_id": self.run_id, "token": self.token, "events": Jsonb([
-                    {"data": {"call_id": c["id"], "tool": c["name"], "args": c.get("args") or {}},
-                     "dedupe_key": f"{self.turn_id}:tool.started:{c['id']}"} for c in calls])})
+        answer, self._answer = self._answer, None
+        params = {"run_id": self.run_id, "token": self.token, "events": Jsonb([
+            {"data": {"call_id": c["id"], "tool": c["name"], "args": c.get("args") or {}},
+             "dedupe_key": f"{self.turn_id}:tool.started:{c['id']}"} for c in calls]),
+            "message": None if answer is None else Jsonb(
+                {"type": answer[0], "data": answer[1],
+                 "dedupe_key": f"{self.turn_id}:{answer[2]}"})}
+        if self.saver is not None:
+            # With what the saver holds: the step that asked for the calls.
+            with db.domain_errors():
+                row = await self.saver.write_with(db.QUERIES["start_tool_calls"], params)
+        else:
+            async with self.pool.connection() as conn:
+                row = await db.fetch_one(conn, "start_tool_calls", params)
         return [row["started"]] * len(calls)
 
     async def _finish_calls(self, finished: list[tuple[dict[str, Any], str]]) -> list[None]:
@@ -753,6 +779,10 @@ class RunExecutor:
             try:
                 answer, delivered = await drive(graph, cfg, run, extra, resume, conv=conv)
             except GraphRecursionError:
+                # The turn fails at its step limit: what waited for a next
+                # step (an answer asking for tool calls) is saved first.
+                await graph.config["configurable"][DEPS].reporter.flush()
+                await saver.write_held()
                 raise MaxStepsExceeded(
                     f"the turn exceeded max_steps ({int(run['config'].get('max_steps', 25))})"
                 ) from None
@@ -819,7 +849,7 @@ class RunExecutor:
         if config.get("system_prompt"):
             preamble.append(SystemMessage(content=config["system_prompt"], id="system"))
         tools = available_tools(selected_tools(config), list(visible))
-        reporter = EventReporter(self.pool, run["id"], token, run["turn_id"], deltas)
+        reporter = EventReporter(self.pool, run["id"], token, run["turn_id"], deltas, saver)
         creates = cooperation.create_batch(self.pool, run["id"], token, run["config"])
         graph = build_graph(model, tools, reporter, preamble=preamble,
                             checkpointer=saver,

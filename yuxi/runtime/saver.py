@@ -161,7 +161,13 @@ class RunSaver(AsyncPostgresSaver):
       graph: it and the model's writes wait for the run's completion, which
       the executor sends through `write_with` (complete_run_v1 in the same
       implicit transaction: the turn's last checkpoint commits with its
-      result, one round trip for both).
+      result, one round trip for both);
+    - when it answered with tool calls, that checkpoint and the model's
+      writes wait for the step's `tool.started` events, which the executor's
+      reporter sends through `write_with` before any tool runs (one round
+      trip for the answer's event, its checkpoint and the calls' start; a
+      tool's effect never comes before the step that asked for it is
+      saved).
 
     A held batch goes out without what its last checkpoint supersedes
     (`latest_only`): a one-step turn writes one checkpoint, not three.
@@ -202,6 +208,7 @@ class RunSaver(AsyncPostgresSaver):
         self._held: list[Op] = []
         self._held_id: str | None = None
         self._ending = False  # the held writes are a final answer's
+        self._calling = False  # the held writes are an answer with tool calls
         self._starting = False  # the held writes are the turn's start
         self._task_writes = GroupCommit(self._flush_task_writes)
 
@@ -238,6 +245,7 @@ class RunSaver(AsyncPostgresSaver):
 
     def _take_held(self) -> list[Op]:
         held, self._held, self._held_id, self._ending = self._held, [], None, False
+        self._calling = False
         self._starting = False
         return held
 
@@ -280,6 +288,13 @@ class RunSaver(AsyncPostgresSaver):
 
     def _writing(self) -> None:
         self._empty, self._reread = False, None
+
+    async def write_held(self) -> None:
+        """Write what is held now (the run ends before the write it was held
+        for: its turn fails at its step limit)."""
+        await self._task_writes.settled()
+        if self._held:
+            await self._write([])
 
     async def write_with(self, query: str, params: Any) -> Any:
         """What is held, then `query`, in one pipeline: they commit together
@@ -326,6 +341,13 @@ class RunSaver(AsyncPostgresSaver):
             # checkpoint, held for the run's completion (write_with).
             self._held += self._checkpoint_ops(config, checkpoint, metadata, new_versions)
             self._held_id, self._ending = checkpoint["id"], False
+        elif self._calling and config["configurable"].get("checkpoint_id") == self._held_id:
+            # The model asked for tool calls: its step's checkpoint is held
+            # for the calls' tool.started (write_with), which comes before
+            # any of them runs; anything else written or read first takes it
+            # along (_write, _flushed).
+            self._held += self._checkpoint_ops(config, checkpoint, metadata, new_versions)
+            self._held_id, self._calling = checkpoint["id"], False
         elif self._held:
             await self._write(self._checkpoint_ops(config, checkpoint, metadata, new_versions))
         else:
@@ -343,6 +365,7 @@ class RunSaver(AsyncPostgresSaver):
             # The model's answer without tool calls (its writes are its
             # messages only): the step's checkpoint ends the graph.
             self._ending = task_path == MODEL_TASK and all(w[0] == "messages" for w in writes)
+            self._calling = task_path == MODEL_TASK and not self._ending
             self._held.append(self._writes_op(config, writes, task_id, task_path))
             self._held_id = checkpoint_id
             return
