@@ -292,6 +292,25 @@ BEGIN
 END;
 $$;
 
+-- Close the offer of a completing or suspending transaction
+-- (offer_hand_over_v1): the run that took it, leased, with the caller's
+-- checkpoint connection marked with it when p_mark; NULL when none did.
+CREATE FUNCTION yuxi.handed_over_run_v1(p_next_token uuid, p_mark boolean)
+RETURNS yuxi.leased_run
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_next uuid := yuxi.close_hand_over_v1();
+BEGIN
+    IF v_next IS NULL THEN
+        RETURN NULL;
+    END IF;
+    IF p_mark THEN
+        PERFORM yuxi.mark_checkpoint_connection_v1(v_next::text, p_next_token::text);
+    END IF;
+    RETURN yuxi.leased_run_v1(v_next);
+END;
+$$;
+
 -- The executing worker completes its run with the turn's output. `p_delivered`
 -- are the steers its conversation contains; if the turn took in a steer that
 -- is not among them (it arrived while the model produced what would have been
@@ -327,7 +346,6 @@ CREATE FUNCTION yuxi.complete_run_v1(
     LANGUAGE plpgsql AS $$
 DECLARE
     v_run yuxi.runs;
-    v_next uuid;
     v_event jsonb;
 BEGIN
     IF p_next_token IS NOT NULL AND p_lease_seconds IS NULL THEN
@@ -368,13 +386,8 @@ BEGIN
         PERFORM yuxi.offer_hand_over_v1(p_next_token, p_lease_seconds, v_run.host_id);
     END IF;
     PERFORM yuxi.finish_turn_v1(p_run, 'completed', NULL);
-    v_next := yuxi.close_hand_over_v1();
-    IF v_next IS NOT NULL THEN
-        IF p_mark THEN
-            PERFORM yuxi.mark_checkpoint_connection_v1(v_next::text, p_next_token::text);
-        END IF;
-        next_run := yuxi.leased_run_v1(v_next);
-    ELSIF p_mark THEN
+    next_run := yuxi.handed_over_run_v1(p_next_token, p_mark);
+    IF (next_run).id IS NULL AND p_mark THEN
         PERFORM yuxi.mark_checkpoint_connection_v1('', '');
     END IF;
     outcome := 'completed';

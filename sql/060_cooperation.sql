@@ -535,7 +535,6 @@ DECLARE
     v_run yuxi.runs;
     v_wait uuid;
     v_deadline timestamptz;
-    v_next uuid;
 BEGIN
     IF p_next_token IS NOT NULL AND p_lease_seconds IS NULL THEN
         RAISE EXCEPTION 'a next run needs a lease duration' USING ERRCODE = 'YX007';
@@ -584,13 +583,7 @@ BEGIN
         PERFORM yuxi.offer_hand_over_v1(p_next_token, p_lease_seconds, v_run.host_id);
     END IF;
     PERFORM yuxi.release_slot_v1(p_run);
-    v_next := yuxi.close_hand_over_v1();
-    IF v_next IS NOT NULL THEN
-        IF p_mark THEN
-            PERFORM yuxi.mark_checkpoint_connection_v1(v_next::text, p_next_token::text);
-        END IF;
-        next_run := yuxi.leased_run_v1(v_next);
-    END IF;
+    next_run := yuxi.handed_over_run_v1(p_next_token, p_mark);
     outcome := 'suspended';
 END;
 $$;

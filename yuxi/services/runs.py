@@ -112,12 +112,20 @@ async def complete(
               "delivered": list(delivered), "next_token": next_token,
               "lease_seconds": lease_seconds, "events": Jsonb(list(events)), "mark": mark,
               **{f"archive_{k}": archive.get(k) for k in ("ids", "turns", "serde", "messages")}}
+    return await _leaving(source, saver, "complete_run", params)
+
+
+async def _leaving(source: AsyncConnectionPool | AsyncConnection, saver: Any, name: str,
+                   params: dict[str, Any]) -> tuple[str, dict[str, Any] | None]:
+    """A run's completion or suspension (`name`): on `saver`'s pipeline
+    after what it holds, else on `source`. Its outcome, and the run it
+    handed over to the caller (a leased_run row) or None."""
     if saver is not None:
         with db.domain_errors():
-            row = await saver.write_with(db.QUERIES["complete_run"], params)
+            row = await saver.write_with(db.QUERIES[name], params)
     else:
         async with db.connection(source) as conn:
-            row = await db.fetch_one(conn, "complete_run", params)
+            row = await db.fetch_one(conn, name, params)
     outcome = row.pop("outcome")
     return outcome, (row if row["id"] is not None else None)
 
@@ -181,14 +189,7 @@ async def suspend(
     params = {"run_id": run_id, "token": token, "kind": kind, "targets": targets,
               "cursor": Jsonb(cursor), "timeout": timeout_s, "next_token": next_token,
               "lease_seconds": lease_seconds, "mark": mark}
-    if saver is not None:
-        with db.domain_errors():
-            row = await saver.write_with(db.QUERIES["suspend_run"], params)
-    else:
-        async with db.connection(source) as conn:
-            row = await db.fetch_one(conn, "suspend_run", params)
-    outcome = row.pop("outcome")
-    return outcome, (row if row["id"] is not None else None)
+    return await _leaving(source, saver, "suspend_run", params)
 
 
 async def suspend_for_user(pool: AsyncConnectionPool, run_id: uuid.UUID, token: uuid.UUID,
