@@ -328,6 +328,32 @@ async def test_a_run_cut_off_as_its_calls_start_runs_no_tool(
                         (session.id,)) == 1
 
 
+async def test_a_tools_finish_goes_with_its_result(pool, checkpoint_pool, alice,
+                                                  monkeypatch, writes):
+    # The calls' tool.finished events take no round trip of their own: they
+    # go with the tools' results (the saver's next write, "2 of tasks").
+    from yuxi.runtime.executor import EventReporter
+    own: list[int] = []
+    original = EventReporter._finish_calls
+
+    async def counted(self, finished):
+        own.append(len(finished))
+        return await original(self, finished)
+
+    monkeypatch.setattr(EventReporter, "_finish_calls", counted)
+    scope = alice[1]
+    session = await new_session(pool, scope, TWO_ECHOES)
+    await sessions.receive_input(pool, scope, session.id, content="q")
+    (run_id,) = await runs_with_status(pool, "ready")
+    assert await executor(pool, checkpoint_pool).execute(run_id) == "completed"
+    assert own == []
+    assert writes == ["8 with tool.started", "2 of tasks", 2, "aput", "3 with completion"]
+    found = await rows(pool, "SELECT data->>'call_id' AS call, xmin::text AS tx "
+                             "FROM yuxi.events WHERE session_id = %s AND type = 'tool.finished'",
+                       (session.id,))
+    assert len(found) == 2 and len({r["tx"] for r in found}) == 1
+
+
 # A parent that waits for a child, then loops on echo calls: its resumed run
 # starts with the wait's tool step, so the step limit (an even number of
 # steps) ends it right after an answer that asks for a call.

@@ -72,6 +72,8 @@ class EventReporter:
         self.saver = saver
         # An answer's event (message_event) waiting for its calls' start.
         self._answer: tuple[str, dict[str, Any], str] | None = None
+        # Ended calls whose tool.finished waits for the saver's next write.
+        self._finished: list[tuple[dict[str, Any], str]] = []
         self._starts = GroupCommit(self._start_calls)
         self._finishes = GroupCommit(self._finish_calls)
 
@@ -115,7 +117,28 @@ class EventReporter:
             raise TurnCancelled(f"turn {self.turn_id} was cancelled")
 
     async def tool_finished(self, call: dict[str, Any], result: str) -> None:
-        await self._finishes.submit((call, result))
+        if self.saver is None:
+            await self._finishes.submit((call, result))
+            return
+        # With the run's saver: the event goes with the tool's result, the
+        # saver's next write (LangGraph saves the result at once, so no
+        # later than that), in one transaction; the calls that end together
+        # share one statement.
+        if not self._finished:
+            self.saver.along(self._finished_statement)
+        self._finished.append((call, result))
+
+    def _finished_statement(self) -> tuple[str, dict[str, Any]] | None:
+        finished, self._finished = self._finished, []
+        return (db.QUERIES["emit_run_events"], self._finished_params(finished)) if finished \
+            else None
+
+    def _finished_params(self, finished: list[tuple[dict[str, Any], str]]) -> dict[str, Any]:
+        return {"run_id": self.run_id, "token": self.token, "type": "tool.finished",
+                "events": Jsonb([
+                    {"data": {"call_id": c["id"], "tool": c["name"], "result": result},
+                     "dedupe_key": f"{self.turn_id}:tool.finished:{c['id']}"}
+                    for c, result in finished])}
 
     async def _start_calls(self, calls: list[dict[str, Any]]) -> list[bool]:
         answer, self._answer = self._answer, None
@@ -136,12 +159,7 @@ class EventReporter:
 
     async def _finish_calls(self, finished: list[tuple[dict[str, Any], str]]) -> list[None]:
         async with self.pool.connection() as conn:
-            await db.execute(conn, "emit_run_events", {
-                "run_id": self.run_id, "token": self.token, "type": "tool.finished",
-                "events": Jsonb([
-                    {"data": {"call_id": c["id"], "tool": c["name"], "result": result},
-                     "dedupe_key": f"{self.turn_id}:tool.finished:{c['id']}"}
-                    for c, result in finished])})
+            await db.execute(conn, "emit_run_events", self._finished_params(finished))
         return [None] * len(finished)
 
 

@@ -211,6 +211,9 @@ class RunSaver(AsyncPostgresSaver):
         self._calling = False  # the held writes are an answer with tool calls
         self._starting = False  # the held writes are the turn's start
         self._task_writes = GroupCommit(self._flush_task_writes)
+        # Statements that go out with the next pipeline, after its writes
+        # (`along`: a step's tool.finished events with the tools' writes).
+        self._along: list[Callable[[], tuple[str, Any] | None]] = []
 
     def _checkpoint_ops(self, config, checkpoint, metadata, new_versions):
         # The statements of AsyncPostgresSaver.aput (langgraph-checkpoint-postgres 3.x).
@@ -262,6 +265,10 @@ class RunSaver(AsyncPostgresSaver):
                             await cur.executemany(op.query, op.params)
                         else:
                             await cur.execute(op.query, op.params)
+                along, self._along = self._along, []
+                for statement in along:
+                    if (made := statement()) is not None:
+                        await conn.execute(*made)
                 if query is None:
                     return None
                 cur = await conn.execute(query, params)
@@ -269,8 +276,15 @@ class RunSaver(AsyncPostgresSaver):
 
     async def _write(self, ops: list[Op]) -> None:
         """What is held, then `ops`, in one pipeline (one implicit transaction)."""
-        if ops := [*self._take_held(), *ops]:
+        if (ops := [*self._take_held(), *ops]) or self._along:
             await self._pipeline(ops)
+
+    def along(self, statement: Callable[[], tuple[str, Any] | None]) -> None:
+        """Send `statement()` (a query and its parameters, or None) with this
+        saver's next write, after its checkpoint writes, in the same
+        transaction: a tool's `tool.finished` goes with the tool's result
+        (the write that follows it at once), one round trip for both."""
+        self._along.append(statement)
 
     async def during_model_call(self, call: Awaitable[T]) -> T:
         """`call` (a model call); if it is still running after HOLD_SECONDS,
