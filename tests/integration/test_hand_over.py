@@ -312,6 +312,36 @@ async def _suspended_waker(pool, checkpoint_pool, scope):
     return parent, receipt, first, child_run
 
 
+async def test_a_run_recovered_between_its_wait_and_the_suspension_waits(
+        pool, checkpoint_pool, alice, monkeypatch):
+    # The parent's wait tool saved its interrupt, then the worker died before
+    # the suspension committed. The recovered run has no resume payload: it
+    # must wait for the child (suspend), never answer the wait at once.
+    import psycopg
+    scope = alice[1]
+    parent = await new_session(pool, scope, waker())
+    receipt = await sessions.receive_input(pool, scope, parent.id, content="wake")
+    (first,) = await runs_with_status(pool, "ready")
+    original = runs.suspend
+
+    async def dies(*args, **kwargs):
+        raise psycopg.OperationalError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(runs, "suspend", dies)
+    assert await executor(pool, checkpoint_pool, continued_runs=0).execute(first) \
+        == "infra_fault"
+    monkeypatch.setattr(runs, "suspend", original)
+    (child_run,) = await runs_with_status(pool, "ready")  # created before the wait
+    assert await runs.recover_expired(pool, max_attempts=3) == [first]
+    retry = next(r for r in await runs_with_status(pool, "ready") if r != child_run)
+    assert await executor(pool, checkpoint_pool, continued_runs=0).execute(retry) \
+        == "suspended"
+    assert (await sessions.get_turn(pool, scope, receipt.turn_id)).status == "waiting"
+    assert await executor(pool, checkpoint_pool).execute(child_run) == "completed"
+    result = await sessions.get_result(pool, scope, receipt.turn_id)
+    assert (result.status, result.output["text"]) == ("completed", "woke")
+
+
 async def test_the_child_worker_goes_on_with_the_woken_parent(pool, checkpoint_pool, alice):
     scope = alice[1]
     parent, receipt, first, child_run = await _suspended_waker(pool, checkpoint_pool, scope)

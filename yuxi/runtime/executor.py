@@ -444,11 +444,17 @@ async def drive(graph: Any, cfg: dict[str, Any], run: dict[str, Any],
             values = await graph.ainvoke({"messages": [RESET, first, *extra]}, cfg,
                                          durability="sync")
         elif state.next and state.interrupts:
-            if resume and resume.get("answer"):
+            if not resume:
+                # A run recovered after its wait's interrupt was saved but
+                # before the wait was (its worker died in between): it waits
+                # now, as that run would have. Resumed with nothing to say,
+                # a wait tool would answer before its condition holds.
+                raise Suspended(list(state.interrupts))
+            if resume.get("answer"):
                 # The user's answers, by interrupt id (approvals, questions).
                 command = Command(resume=resume["answer"])
             else:
-                command = Command(resume=resume or {"reason": "retry"})
+                command = Command(resume=resume)
             values = await graph.ainvoke(command, cfg, durability="sync")
         elif state.next or state.tasks:
             # `tasks` without `next`: a step's tasks finished and their writes
