@@ -248,18 +248,10 @@ $$;
 -- before the calls), their `tool.started` events are recorded, fenced by the
 -- lease. The cancel check and the events in one statement: a fan-out's calls
 -- take the tree's lock once or twice in all, not once each (issue 15).
-CREATE FUNCTION yuxi.start_tool_calls_v1(p_run uuid, p_token uuid, p_events jsonb,
-                                         p_message jsonb DEFAULT NULL)
+CREATE FUNCTION yuxi.start_tool_calls_v1(p_run uuid, p_token uuid, p_events jsonb)
 RETURNS boolean
     LANGUAGE plpgsql AS $$
 BEGIN
-    -- The model's answer that asked for these calls ({type, data,
-    -- dedupe_key}), when the worker sends it along: recorded first, whatever
-    -- the cancel intent.
-    IF p_message IS NOT NULL THEN
-        PERFORM yuxi.emit_run_event_v1(p_run, p_token, p_message->>'type', p_message->'data',
-                                       p_message->>'dedupe_key');
-    END IF;
     IF EXISTS (SELECT 1 FROM yuxi.runs r JOIN yuxi.turns t ON t.id = r.turn_id
                WHERE r.id = p_run AND t.cancel_requested_at IS NOT NULL) THEN
         RETURN false;

@@ -160,7 +160,7 @@ SELECT yuxi.heartbeat_run_v1(%(run_id)s, %(token)s, %(lease_seconds)s) AS held;
 SELECT yuxi.check_lease_v1(%(run_id)s, %(token)s);
 
 -- name: start_tool_calls
-SELECT yuxi.start_tool_calls_v1(%(run_id)s, %(token)s, %(events)s, %(message)s) AS started;
+SELECT yuxi.start_tool_calls_v1(%(run_id)s, %(token)s, %(events)s) AS started;
 
 -- name: emit_run_events
 SELECT yuxi.emit_run_events_v1(%(run_id)s, %(token)s, %(type)s, %(events)s);

@@ -398,14 +398,12 @@ async def test_a_turn_failing_at_its_step_limit_keeps_its_last_answer(
 
 async def test_without_the_flush_the_failed_turns_last_answer_is_lost(
         pool, checkpoint_pool, alice, monkeypatch):
-    # Negative: without saving what waited for the calls' start, the last
-    # answer is neither in the conversation nor among the events.
-    from yuxi.runtime.executor import EventReporter
-
+    # Negative: without saving what waited for the calls' start (the step
+    # and the answer's event, which goes along), the last answer is neither
+    # in the conversation nor among the events.
     async def nothing(self) -> None:
         return None
 
-    monkeypatch.setattr(EventReporter, "flush", nothing)
     monkeypatch.setattr(RunSaver, "write_held", nothing)
     roles, answers = await _last_answer_kept(pool, checkpoint_pool, alice[1])
     assert roles[-2:] == ["ai", "tool"], roles

@@ -29,7 +29,7 @@ from psycopg_pool import AsyncConnectionPool
 from yuxi import db
 from yuxi.errors import LeaseLost, SandboxElsewhere, YuxiError, is_connection_error
 from yuxi.runtime.calls import CallPolicy
-from yuxi.runtime.graph import DEPS, build_graph, set_history
+from yuxi.runtime.graph import build_graph, set_history
 from yuxi.runtime.group_commit import GroupCommit
 from yuxi.runtime.live import CallCancelled, WorkerListener, DeltaBatcher
 from yuxi.runtime.models import build_chat_model
@@ -60,9 +60,9 @@ class EventReporter:
     commits with the completion (`RunExecutor` passes it to `complete`), one
     transaction less per turn; a run recovered after its final checkpoint
     reports it then. With the run's `saver`, an answer with tool calls waits
-    too: its event goes with the calls' `tool.started`, in the saver's round
-    trip that also writes the answer's step (RunSaver holds it for that),
-    before any tool runs."""
+    too: its event goes with the saver's next write (`RunSaver.along`), the
+    one that carries the answer's step and the calls' `tool.started` before
+    any tool runs (RunSaver holds the step for it)."""
 
     def __init__(self, pool: AsyncConnectionPool, run_id: uuid.UUID, token: uuid.UUID,
                  turn_id: uuid.UUID, deltas: DeltaBatcher | None = None,
@@ -70,8 +70,6 @@ class EventReporter:
         self.pool, self.run_id, self.token, self.turn_id = pool, run_id, token, turn_id
         self.deltas = deltas
         self.saver = saver
-        # An answer's event (message_event) waiting for its calls' start.
-        self._answer: tuple[str, dict[str, Any], str] | None = None
         # Ended calls whose tool.finished waits for the saver's next write.
         self._finished: list[tuple[dict[str, Any], str]] = []
         self._starts = GroupCommit(self._start_calls)
@@ -97,17 +95,13 @@ class EventReporter:
         if self.deltas is not None:
             await self.deltas.flush()
         if message.tool_calls:
+            type_, data, key = message_event(message)
             if self.saver is None:
-                await self._emit(*message_event(message))
-            else:
-                self._answer = message_event(message)
-
-    async def flush(self) -> None:
-        """Send an answer's event still waiting for its calls' start (the
-        run ends before they start: its step limit)."""
-        if (answer := self._answer) is not None:
-            self._answer = None
-            await self._emit(*answer)
+                await self._emit(type_, data, key)
+                return
+            params = {"run_id": self.run_id, "token": self.token, "type": type_,
+                      "data": Jsonb(data), "dedupe_key": f"{self.turn_id}:{key}"}
+            self.saver.along(lambda: (db.QUERIES["emit_run_event"], params))
 
     async def tool_started(self, call: dict[str, Any]) -> None:
         """The call's `tool.started`, or TurnCancelled when a cancel intent
@@ -141,13 +135,9 @@ class EventReporter:
                     for c, result in finished])}
 
     async def _start_calls(self, calls: list[dict[str, Any]]) -> list[bool]:
-        answer, self._answer = self._answer, None
         params = {"run_id": self.run_id, "token": self.token, "events": Jsonb([
             {"data": {"call_id": c["id"], "tool": c["name"], "args": c.get("args") or {}},
-             "dedupe_key": f"{self.turn_id}:tool.started:{c['id']}"} for c in calls]),
-            "message": None if answer is None else Jsonb(
-                {"type": answer[0], "data": answer[1],
-                 "dedupe_key": f"{self.turn_id}:{answer[2]}"})}
+             "dedupe_key": f"{self.turn_id}:tool.started:{c['id']}"} for c in calls])}
         if self.saver is not None:
             # With what the saver holds: the step that asked for the calls.
             with db.domain_errors():
@@ -804,8 +794,8 @@ class RunExecutor:
                 answer, delivered = await drive(graph, cfg, run, extra, resume, conv=conv)
             except GraphRecursionError:
                 # The turn fails at its step limit: what waited for a next
-                # step (an answer asking for tool calls) is saved first.
-                await graph.config["configurable"][DEPS].reporter.flush()
+                # step (an answer asking for tool calls, its event) is saved
+                # first.
                 await saver.write_held()
                 raise MaxStepsExceeded(
                     f"the turn exceeded max_steps ({int(run['config'].get('max_steps', 25))})"

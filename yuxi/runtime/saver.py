@@ -212,7 +212,8 @@ class RunSaver(AsyncPostgresSaver):
         self._starting = False  # the held writes are the turn's start
         self._task_writes = GroupCommit(self._flush_task_writes)
         # Statements that go out with the next pipeline, after its writes
-        # (`along`: a step's tool.finished events with the tools' writes).
+        # (`along`: an answer's event with its step, a step's tool.finished
+        # events with the tools' writes).
         self._along: list[Callable[[], tuple[str, Any] | None]] = []
 
     def _checkpoint_ops(self, config, checkpoint, metadata, new_versions):
@@ -281,9 +282,11 @@ class RunSaver(AsyncPostgresSaver):
 
     def along(self, statement: Callable[[], tuple[str, Any] | None]) -> None:
         """Send `statement()` (a query and its parameters, or None) with this
-        saver's next write, after its checkpoint writes, in the same
-        transaction: a tool's `tool.finished` goes with the tool's result
-        (the write that follows it at once), one round trip for both."""
+        saver's next write, after its checkpoint writes and before the
+        write's own query, in the same transaction: an answer's `message`
+        event goes with its step and its calls' `tool.started`, a tool's
+        `tool.finished` with the tool's result (the write that follows it
+        at once), one round trip each."""
         self._along.append(statement)
 
     async def during_model_call(self, call: Awaitable[T]) -> T:
@@ -304,11 +307,10 @@ class RunSaver(AsyncPostgresSaver):
         self._empty, self._reread = False, None
 
     async def write_held(self) -> None:
-        """Write what is held now (the run ends before the write it was held
-        for: its turn fails at its step limit)."""
+        """Write what is held now, and what goes along (the run ends before
+        the write it was held for: its turn fails at its step limit)."""
         await self._task_writes.settled()
-        if self._held:
-            await self._write([])
+        await self._write([])
 
     async def write_with(self, query: str, params: Any) -> Any:
         """What is held, then `query`, in one pipeline: they commit together
