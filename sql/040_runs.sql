@@ -45,6 +45,20 @@ BEGIN
 END;
 $$;
 
+-- A run whose lease was just taken with p_token, as its worker reads it;
+-- p_mark: the caller's connection is the one its checkpointer writes on,
+-- marked with the lease in this transaction (sql/110_checkpoint_fence.sql).
+CREATE FUNCTION yuxi.taken_run_v1(p_run uuid, p_token uuid, p_mark boolean)
+RETURNS yuxi.leased_run
+    LANGUAGE plpgsql AS $$
+BEGIN
+    IF p_mark THEN
+        PERFORM yuxi.mark_checkpoint_connection_v1(p_run::text, p_token::text);
+    END IF;
+    RETURN yuxi.leased_run_v1(p_run);
+END;
+$$;
+
 -- Take the lease of a ready run: it becomes running with a fresh token.
 -- Returns NULL when the run is not ready (a duplicate or stale job), so the
 -- caller simply stops. p_mark: the caller's connection is the one its
@@ -73,10 +87,7 @@ BEGIN
     PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
                                'run.started', jsonb_strip_nulls(jsonb_build_object(
                                    'attempt', v_run.attempt, 'host', p_host)));
-    IF p_mark THEN
-        PERFORM yuxi.mark_checkpoint_connection_v1(p_run::text, p_token::text);
-    END IF;
-    RETURN yuxi.leased_run_v1(p_run);
+    RETURN yuxi.taken_run_v1(p_run, p_token, p_mark);
 END;
 $$;
 
@@ -296,10 +307,7 @@ BEGIN
     IF v_next IS NULL THEN
         RETURN NULL;
     END IF;
-    IF p_mark THEN
-        PERFORM yuxi.mark_checkpoint_connection_v1(v_next::text, p_next_token::text);
-    END IF;
-    RETURN yuxi.leased_run_v1(v_next);
+    RETURN yuxi.taken_run_v1(v_next, p_next_token, p_mark);
 END;
 $$;
 

@@ -117,14 +117,18 @@ async def test_without_an_offer_the_released_slot_gets_a_job(pool, checkpoint_po
     assert await _jobs(pool) == [str(root_run), str(kid)]
 
 
+async def _four_kids_on_one_slot(pool, scope) -> list[uuid.UUID]:
+    """Four children of a tree of one slot: the first ready, three pending."""
+    root = await new_session(pool, scope)
+    await _capacity(pool, root.tree_id, 1)
+    return [await _child(pool, root, f"k{i}") for i in range(4)]
+
+
 async def test_hand_over_is_bounded_per_job_while_the_process_is_full(
         pool, checkpoint_pool, alice):
     # One slot in the process, held by this chain: a queued job could be
     # waiting for it, so the bound applies.
-    scope = alice[1]
-    root = await new_session(pool, scope)
-    await _capacity(pool, root.tree_id, 1)
-    kids = [await _child(pool, root, f"k{i}") for i in range(4)]
+    kids = await _four_kids_on_one_slot(pool, alice[1])
     assert await _status(pool, kids[0]) == "ready"
     assert await executor(pool, checkpoint_pool, continued_runs=1,
                           worker_concurrency=1).execute(kids[0]) == "completed"
@@ -138,10 +142,7 @@ async def test_hand_over_goes_on_past_the_bound_while_the_process_has_a_free_slo
     # The same chain in a process with a free slot: going on keeps no job
     # waiting, so the slot goes from child to child without a break (a
     # fan-out's chain no longer stops after MAX_CONTINUED_RUNS runs).
-    scope = alice[1]
-    root = await new_session(pool, scope)
-    await _capacity(pool, root.tree_id, 1)
-    kids = [await _child(pool, root, f"k{i}") for i in range(4)]
+    kids = await _four_kids_on_one_slot(pool, alice[1])
     assert await executor(pool, checkpoint_pool, continued_runs=1,
                           worker_concurrency=2).execute(kids[0]) == "completed"
     assert [await _status(pool, k) for k in kids] == ["completed"] * 4
@@ -151,10 +152,7 @@ async def test_hand_over_goes_on_past_the_bound_while_the_process_has_a_free_slo
 async def test_a_stopping_worker_bounds_its_chains(pool, checkpoint_pool, alice):
     # Negative of the above: a stopping worker (free slots or not) ends its
     # chains within the bound, so that it stops in bounded time.
-    scope = alice[1]
-    root = await new_session(pool, scope)
-    await _capacity(pool, root.tree_id, 1)
-    kids = [await _child(pool, root, f"k{i}") for i in range(4)]
+    kids = await _four_kids_on_one_slot(pool, alice[1])
     worker = executor(pool, checkpoint_pool, continued_runs=1, worker_concurrency=2)
     worker.stop_claims()
     assert await worker.execute(kids[0]) == "completed"

@@ -138,13 +138,8 @@ class EventReporter:
         params = {"run_id": self.run_id, "token": self.token, "events": Jsonb([
             {"data": {"call_id": c["id"], "tool": c["name"], "args": c.get("args") or {}},
              "dedupe_key": f"{self.turn_id}:tool.started:{c['id']}"} for c in calls])}
-        if self.saver is not None:
-            # With what the saver holds: the step that asked for the calls.
-            with db.domain_errors():
-                row = await self.saver.write_with(db.QUERIES["start_tool_calls"], params)
-        else:
-            async with self.pool.connection() as conn:
-                row = await db.fetch_one(conn, "start_tool_calls", params)
+        # With what the saver holds: the step that asked for the calls.
+        row = await runs.fetch_one_after_held(self.pool, self.saver, "start_tool_calls", params)
         return [row["started"]] * len(calls)
 
     async def _finish_calls(self, finished: list[tuple[dict[str, Any], str]]) -> list[None]:

@@ -115,17 +115,23 @@ async def complete(
     return await _leaving(source, saver, "complete_run", params)
 
 
-async def _leaving(source: AsyncConnectionPool | AsyncConnection, saver: Any, name: str,
-                   params: dict[str, Any]) -> tuple[str, dict[str, Any] | None]:
-    """A run's completion or suspension (`name`): on `saver`'s pipeline
-    after what it holds, else on `source`. Its outcome, and the run it
-    handed over to the caller (a leased_run row) or None."""
+async def fetch_one_after_held(source: AsyncConnectionPool | AsyncConnection, saver: Any,
+                               name: str, params: dict[str, Any]) -> dict[str, Any]:
+    """The first row of query `name`: on the run saver's pipeline, after what
+    it holds (yuxi.runtime.saver.RunSaver.write_with: they commit together),
+    else on `source`."""
     if saver is not None:
         with db.domain_errors():
-            row = await saver.write_with(db.QUERIES[name], params)
-    else:
-        async with db.connection(source) as conn:
-            row = await db.fetch_one(conn, name, params)
+            return await saver.write_with(db.QUERIES[name], params)
+    async with db.connection(source) as conn:
+        return await db.fetch_one(conn, name, params)
+
+
+async def _leaving(source: AsyncConnectionPool | AsyncConnection, saver: Any, name: str,
+                   params: dict[str, Any]) -> tuple[str, dict[str, Any] | None]:
+    """A run's completion or suspension (`name`): its outcome, and the run it
+    handed over to the caller (a leased_run row) or None."""
+    row = await fetch_one_after_held(source, saver, name, params)
     outcome = row.pop("outcome")
     return outcome, (row if row["id"] is not None else None)
 
