@@ -539,7 +539,7 @@ class RunExecutor:
         self.listener.start()
 
     async def _claimed(self, run_id: uuid.UUID, job_id: int, session_id: uuid.UUID) -> None:
-        if self.slots.locked() or self.stopping:
+        if self.slots.locked():
             # Taken meanwhile (a burst of announcements): no waiting for a
             # slot, the job is there for that. (From here to taking the slot
             # in `execute` nothing awaits: no other task runs in between.)
