@@ -224,6 +224,11 @@ CREATE TABLE yuxi.runs (
     finished_at timestamptz,
     -- The worker host (YUXI_HOST_ID) that took the lease last.
     host_id text,
+    -- The claiming worker process the run was announced to
+    -- (defer_run_job_v1) or leased to: the backend pid of its LISTEN
+    -- connection (yuxi.claimers_v1). While the run is ready or running it
+    -- counts toward that worker's load (pick_claimer_v1, sql/020_slots.sql).
+    claimer integer,
     CONSTRAINT runs_turn_fk FOREIGN KEY (turn_id, session_id, tree_id, user_id, app_id)
         REFERENCES yuxi.turns (id, session_id, tree_id, user_id, app_id),
     -- Leading with turn_id, it also serves "a turn's runs".
@@ -247,6 +252,7 @@ CREATE UNIQUE INDEX runs_one_live_per_session ON yuxi.runs (session_id)
 CREATE INDEX runs_pending_fifo_idx ON yuxi.runs (tree_id, slot_seq) WHERE status = 'pending';
 CREATE INDEX runs_lease_idx ON yuxi.runs (lease_expires_at) WHERE status = 'running';
 CREATE INDEX runs_ready_idx ON yuxi.runs (created_at) WHERE status = 'ready';
+CREATE INDEX runs_claimer_idx ON yuxi.runs (claimer) WHERE status IN ('ready', 'running');
 ALTER TABLE yuxi.turns ADD CONSTRAINT turns_result_run_same_turn_fk
     FOREIGN KEY (result_run_id, id) REFERENCES yuxi.runs (id, turn_id);
 

@@ -14,6 +14,7 @@ CREATE FUNCTION yuxi.defer_run_job_v1(p_run uuid) RETURNS bigint
 DECLARE
     v_run yuxi.runs;
     v_queue text;
+    v_claimer integer;
     v_job bigint;
 BEGIN
     SELECT * INTO v_run FROM yuxi.runs WHERE id = p_run;
@@ -21,18 +22,24 @@ BEGIN
     -- A worker of the queue with a free slot claims the run at once, one
     -- round trip instead of Procrastinate's fetch and then the lease
     -- (claim_run_v1); the job stays the way the run is executed when no
-    -- worker claims it (all busy, the notification missed). While a claimer
-    -- of the queue listens, the job is due 20 ms later:
+    -- worker claims it (all busy, the notification missed). The run is
+    -- announced to one claimer, the least loaded (pick_claimer_v1), and
+    -- counts toward its load from now on. While a claimer of the queue
+    -- listens, the job is due 20 ms later:
     -- Procrastinate's workers, woken by the same commit, would otherwise
     -- race the claim for it (a fetch and a task that finds its run taken,
     -- or a claim waiting on the fetch), at every run's start.
+    v_claimer := yuxi.pick_claimer_v1(v_queue, p_run);
+    IF v_claimer IS DISTINCT FROM v_run.claimer THEN
+        UPDATE yuxi.runs SET claimer = v_claimer WHERE id = p_run;
+    END IF;
     v_job := yuxi.defer_job_v1(v_queue, 'execute_run', jsonb_build_object('run_id', p_run),
-                               CASE WHEN yuxi.claimer_listening_v1(v_queue)
+                               CASE WHEN v_claimer IS NOT NULL
                                     THEN clock_timestamp() + interval '20 milliseconds' END);
     -- The session lets its claimer read only what it does not hold of the
     -- session's archive, with the lease (yuxi.runtime.executor).
-    PERFORM pg_notify('yuxi_ready',
-                      v_queue || ' ' || p_run || ' ' || v_job || ' ' || v_run.session_id);
+    PERFORM pg_notify('yuxi_ready', v_queue || ' ' || p_run || ' ' || v_job || ' '
+                                    || v_run.session_id || ' ' || coalesce(v_claimer, 0));
     RETURN v_job;
 END;
 $$;
@@ -63,14 +70,27 @@ CREATE FUNCTION yuxi.claimers_v1() RETURNS TABLE (pid integer, host text)
      ORDER BY a.pid;
 $$;
 
--- Whether a worker claiming `p_queue` listens now. (plpgsql: its plan is
--- cached; as a SQL function with a subquery it cannot be inlined, and every
--- receive that starts a turn parsed and planned it again, ~0.6 ms.)
-CREATE FUNCTION yuxi.claimer_listening_v1(p_queue text) RETURNS boolean
+-- The claimer a ready run of `p_queue` is announced to (NULL: none
+-- listens): of the claimers serving the queue, the one with the fewest runs
+-- announced to it or running on it (runs.claimer; counted up to 64, beyond
+-- which a worker is busy anyway), ties broken by the run's id, so that each
+-- run has its own order of equally loaded claimers. The least loaded, not a
+-- hash alone: a fan-out's first runs, announced in one transaction, spread
+-- over the workers (each counts the ones before it), and so do the chains
+-- of runs its slots hand over within a worker. (plpgsql: its plan is
+-- cached; as a SQL function with a subquery it cannot be inlined, and it
+-- was parsed and planned again at every call.)
+CREATE FUNCTION yuxi.pick_claimer_v1(p_queue text, p_run uuid) RETURNS integer
     LANGUAGE plpgsql STABLE AS $$
 BEGIN
-    RETURN EXISTS (SELECT 1 FROM yuxi.claimers_v1() c
-                    WHERE p_queue = 'runs' OR p_queue = 'runs@' || c.host);
+    RETURN (SELECT c.pid FROM yuxi.claimers_v1() c
+             WHERE p_queue = 'runs' OR p_queue = 'runs@' || c.host
+             ORDER BY (SELECT count(*) FROM (SELECT FROM yuxi.runs r
+                                              WHERE r.claimer = c.pid
+                                                AND r.status IN ('ready', 'running')
+                                              LIMIT 64) l),
+                      hashtext(p_run::text || c.pid)
+             LIMIT 1);
 END;
 $$;
 
@@ -118,7 +138,7 @@ $$;
 -- its next run. A run so leased is like any leased run: if the worker dies
 -- before or while executing it, its lease expires and recovery continues it.
 CREATE FUNCTION yuxi.offer_hand_over_v1(p_token uuid, p_lease_seconds double precision,
-                                        p_host text) RETURNS void
+                                        p_host text, p_claimer integer) RETURNS void
     LANGUAGE plpgsql AS $$
 BEGIN
     IF p_lease_seconds IS NULL THEN
@@ -127,6 +147,7 @@ BEGIN
     PERFORM set_config('yuxi.hand_over_token', p_token::text, true),
             set_config('yuxi.hand_over_lease', p_lease_seconds::text, true),
             set_config('yuxi.hand_over_host', coalesce(p_host, ''), true),
+            set_config('yuxi.hand_over_claimer', coalesce(p_claimer::text, ''), true),
             set_config('yuxi.hand_over_run', '', true);
 END;
 $$;
@@ -183,6 +204,12 @@ CREATE FUNCTION yuxi.hand_over_host_v1() RETURNS text
     SELECT nullif(current_setting('yuxi.hand_over_host', true), '');
 $$;
 
+-- The claimer (runs.claimer) of the worker whose offer is open, if it claims.
+CREATE FUNCTION yuxi.hand_over_claimer_v1() RETURNS integer
+    LANGUAGE sql STABLE AS $$
+    SELECT nullif(current_setting('yuxi.hand_over_claimer', true), '')::integer;
+$$;
+
 -- A pending run gets a slot of its tree (the caller holds the tree lock):
 -- leased to the worker whose offer is open (take_hand_over_v1), else ready
 -- with its job deferred.
@@ -200,7 +227,7 @@ BEGIN
     END IF;
     UPDATE yuxi.runs
        SET status = 'running', lease_token = v_token, started_at = now(),
-           host_id = yuxi.hand_over_host_v1(),
+           host_id = yuxi.hand_over_host_v1(), claimer = yuxi.hand_over_claimer_v1(),
            lease_expires_at = yuxi.hand_over_lease_expiry_v1()
      WHERE id = p_run
     RETURNING * INTO v_run;

@@ -61,9 +61,10 @@ DECLARE
     v_ready boolean := yuxi.free_slots_v1(p_tree) > 0;
     v_token uuid := CASE WHEN v_ready THEN yuxi.take_hand_over_v1(p_tree.id, v_run) END;
     v_host text := CASE WHEN v_token IS NOT NULL THEN yuxi.hand_over_host_v1() END;
+    v_claimer integer := CASE WHEN v_token IS NOT NULL THEN yuxi.hand_over_claimer_v1() END;
 BEGIN
     INSERT INTO yuxi.runs (id, turn_id, session_id, tree_id, user_id, app_id, config, status,
-                           lease_token, lease_expires_at, started_at, host_id)
+                           lease_token, lease_expires_at, started_at, host_id, claimer)
     VALUES (v_run, p_turn.id, p_turn.session_id, p_turn.tree_id, p_turn.user_id, p_turn.app_id,
             p_config,
             CASE WHEN v_token IS NOT NULL THEN 'running' WHEN v_ready THEN 'ready'
@@ -71,7 +72,7 @@ BEGIN
             v_token,
             CASE WHEN v_token IS NOT NULL THEN yuxi.hand_over_lease_expiry_v1() END,
             CASE WHEN v_token IS NOT NULL THEN now() END,
-            v_host);
+            v_host, v_claimer);
     IF v_ready THEN
         INSERT INTO yuxi.slot_claims (run_id, tree_id) VALUES (v_run, p_turn.tree_id);
         IF v_token IS NULL THEN

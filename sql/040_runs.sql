@@ -65,7 +65,8 @@ $$;
 -- checkpointer writes on; it is marked with the lease in this transaction
 -- (sql/110_checkpoint_fence.sql), which saves the worker a round trip.
 CREATE FUNCTION yuxi.start_run_v1(p_run uuid, p_token uuid, p_lease_seconds double precision,
-                                  p_mark boolean DEFAULT false, p_host text DEFAULT NULL)
+                                  p_mark boolean DEFAULT false, p_host text DEFAULT NULL,
+                                  p_claimer integer DEFAULT NULL)
 RETURNS yuxi.leased_run
     LANGUAGE plpgsql AS $$
 DECLARE
@@ -78,6 +79,7 @@ BEGIN
     PERFORM yuxi.lock_tree_v1(v_run.tree_id);
     UPDATE yuxi.runs
        SET status = 'running', lease_token = p_token, started_at = now(), host_id = p_host,
+           claimer = p_claimer,
            lease_expires_at = clock_timestamp() + make_interval(secs => p_lease_seconds)
      WHERE id = p_run AND status = 'ready'
     RETURNING * INTO v_run;
@@ -98,13 +100,13 @@ $$;
 -- returns NULL: the job is a no-op). NULL when the run is not ready.
 CREATE FUNCTION yuxi.claim_run_v1(p_run uuid, p_job bigint, p_token uuid,
                                   p_lease_seconds double precision, p_mark boolean,
-                                  p_host text)
+                                  p_host text, p_claimer integer)
 RETURNS yuxi.leased_run
     LANGUAGE plpgsql AS $$
 DECLARE
     v_run yuxi.leased_run;
 BEGIN
-    v_run := yuxi.start_run_v1(p_run, p_token, p_lease_seconds, p_mark, p_host);
+    v_run := yuxi.start_run_v1(p_run, p_token, p_lease_seconds, p_mark, p_host, p_claimer);
     IF v_run.id IS NOT NULL THEN
         PERFORM yuxi.drop_run_job_v1(p_job, p_run);
     END IF;
@@ -383,7 +385,8 @@ BEGIN
                                'run.completed', '{}');
     IF p_next_token IS NOT NULL THEN
         -- The same worker: the same host.
-        PERFORM yuxi.offer_hand_over_v1(p_next_token, p_lease_seconds, v_run.host_id);
+        PERFORM yuxi.offer_hand_over_v1(p_next_token, p_lease_seconds, v_run.host_id,
+                                         v_run.claimer);
     END IF;
     PERFORM yuxi.finish_turn_v1(p_run, 'completed', NULL);
     next_run := yuxi.handed_over_run_v1(p_next_token, p_mark);

@@ -142,15 +142,13 @@ LIMIT %(limit)s;
 -- Runs (worker side) -------------------------------------------------------
 
 -- name: start_run
-SELECT * FROM yuxi.start_run_v1(%(run_id)s, %(token)s, %(lease_seconds)s, %(mark)s, %(host)s)
+SELECT * FROM yuxi.start_run_v1(%(run_id)s, %(token)s, %(lease_seconds)s, %(mark)s, %(host)s,
+                                %(claimer)s)
 WHERE id IS NOT NULL;
-
--- name: claimers
-SELECT pid, host FROM yuxi.claimers_v1();
 
 -- name: claim_run
 SELECT * FROM yuxi.claim_run_v1(%(run_id)s, %(job_id)s, %(token)s, %(lease_seconds)s,
-                                %(mark)s, %(host)s)
+                                %(mark)s, %(host)s, %(claimer)s)
 WHERE id IS NOT NULL;
 
 -- name: heartbeat_run

@@ -12,8 +12,8 @@ import psycopg
 import pytest
 
 from tests.integration.helpers import (
-    executor, new_session, rewrite_function, runs_with_status, scalar)
-from yuxi.services import sessions
+    executor, new_session, rewrite_function, rows, runs_with_status, scalar)
+from yuxi.services import runs, sessions
 
 JOB = "SELECT status::text FROM procrastinate.procrastinate_jobs WHERE id = %s"
 
@@ -37,7 +37,7 @@ async def _announced(db_url, pool, scope, woken: list[str] | None = None,
                 break
     if woken is not None:
         woken.extend(n.channel for n in notes if n.channel != "yuxi_ready")
-    queue, run, job, announced_session = note.payload.split()
+    queue, run, job, announced_session, _claimer = note.payload.split()
     (ready,) = await runs_with_status(pool, "ready")
     assert uuid.UUID(run) == ready and uuid.UUID(announced_session) == session.id
     return queue, ready, int(job), receipt
@@ -93,21 +93,24 @@ async def test_a_worker_claims_only_its_queues_and_only_with_a_free_slot(
     ex = executor(pool, checkpoint_pool, worker_concurrency=1)
     ex.claims(("runs",))
     try:
+        assert await ex.listener.ready()
         on_ready = ex.listener.on_ready
         run, job, session = uuid.uuid4(), 1, uuid.uuid4()
-        on_ready("runs@elsewhere %s %d %s" % (run, job, session))  # another host's queue
+        on_ready("runs@elsewhere %s %d %s 0" % (run, job, session))  # another host's queue
         on_ready("garbage")  # not a payload of ours
         assert not ex._claims
         async with ex.slots:  # the process is busy
-            on_ready("runs %s %d %s" % (run, job, session))
+            on_ready("runs %s %d %s 0" % (run, job, session))
             assert not ex._claims
-        on_ready("runs %s %d %s" % (run, job, session))  # no such run: claimed, then skipped
+        on_ready("runs %s %d %s %d" % (run, job, session, ex.listener.pid + 1))  # another's
+        assert not ex._claims
+        on_ready("runs %s %d %s 0" % (run, job, session))  # no such run: claimed, then skipped
         assert len(ex._claims) == 1
         await asyncio.gather(*ex._claims)
         # A burst beyond the free slots: the claims that find no slot when
         # they start give up (their jobs are there) instead of waiting.
         for _ in range(5):
-            on_ready("runs %s %d %s" % (uuid.uuid4(), job, session))
+            on_ready("runs %s %d %s 0" % (uuid.uuid4(), job, session))
         pending = list(ex._claims)
         assert len(pending) == 5
         async with ex.slots:  # taken before any of them starts
@@ -146,7 +149,7 @@ async def _claim_while_fetched(db_url, run: uuid.UUID, job: int) -> uuid.UUID | 
             async with await psycopg.AsyncConnection.connect(db_url) as claimer:
                 await claimer.execute("SET lock_timeout = '500ms'")
                 cur = await claimer.execute(
-                    "SELECT id FROM yuxi.claim_run_v1(%s, %s, %s, 30, false, NULL)",
+                    "SELECT id FROM yuxi.claim_run_v1(%s, %s, %s, 30, false, NULL, NULL)",
                     (run, job, uuid.uuid4()))
                 (claimed,) = await cur.fetchone()
                 await claimer.commit()
@@ -178,7 +181,6 @@ async def _claim_attempts(db_url, pool, checkpoint_pool, scope, turns: int) -> d
     workers = [executor(pool, checkpoint_pool) for _ in range(2)]
     attempts: dict[str, int] = {}
     for ex in workers:
-        ex.listener.poll_seconds = 0.1  # read the other claimer soon
         claimed = ex._claimed
 
         async def counted(run_id, job_id, session_id, claimed=claimed):
@@ -191,9 +193,7 @@ async def _claim_attempts(db_url, pool, checkpoint_pool, scope, turns: int) -> d
         for ex in workers:
             assert await ex.listener.ready()
         deadline = asyncio.get_running_loop().time() + 10
-        while not all(len(ex.listener.claimers.get("runs", ())) == 2 for ex in workers):
-            assert asyncio.get_running_loop().time() < deadline, "the claimers never met"
-            await asyncio.sleep(0.05)
+        assert await scalar(pool, "SELECT count(*) FROM yuxi.claimers_v1()") == 2
         receipts = []
         for _ in range(turns):
             session = await new_session(pool, scope)
@@ -220,7 +220,7 @@ async def test_without_a_preferred_claimer_both_claim_every_run(
     # for the lease (a round trip and a wake-up each, at every turn's start).
     from yuxi.runtime.live import WorkerListener
 
-    monkeypatch.setattr(WorkerListener, "preferred", lambda self, queue, run: True)
+    monkeypatch.setattr(WorkerListener, "picked", lambda self, claimer: True)
     attempts = await _claim_attempts(db_url, pool, checkpoint_pool, alice[1], 8)
     assert sorted(attempts.values()) == [2] * 8
 
@@ -268,17 +268,115 @@ async def test_the_claimers_of_a_host_queue_are_that_host_s(db_url, pool, checkp
     # worker of this host is picked for it.
     ex = executor(pool, checkpoint_pool, host_id="h1")
     ex.claims(("runs", "runs@h1"))
+    pick = "SELECT yuxi.pick_claimer_v1(%s, gen_random_uuid())"
     try:
         assert await ex.listener.ready()
         pid = ex.listener.pid
-        assert ex.listener.claimers == {"runs": [pid], "runs@h1": [pid]}
-        for queue, listening in (("runs", True), ("runs@h1", True), ("runs@h2", False)):
-            assert await scalar(pool, "SELECT yuxi.claimer_listening_v1(%s)",
-                                (queue,)) is listening, queue
+        assert ex.listener.claimer == pid
+        for queue, picked in (("runs", pid), ("runs@h1", pid), ("runs@h2", None)):
+            assert await scalar(pool, pick, (queue,)) == picked, queue
     finally:
         await ex.close_claims()
+    assert ex.listener.claimer is None
     # Once its old connection is gone (closed as the listener stops claiming).
     deadline = asyncio.get_running_loop().time() + 5
-    while await scalar(pool, "SELECT yuxi.claimer_listening_v1('runs')"):
+    while await scalar(pool, pick, ("runs",)):
         assert asyncio.get_running_loop().time() < deadline, "the claimer stayed listed"
         await asyncio.sleep(0.02)
+
+
+# ------------------------------------------------- the least-loaded claimer
+
+CLAIMED = """SELECT claimer, count(*) AS runs FROM yuxi.runs
+              WHERE status IN ('ready', 'running') AND id = ANY(%s) GROUP BY claimer"""
+
+
+async def _fake_claimer(db_url) -> psycopg.AsyncConnection:
+    """A connection listed as a claimer of this host (it claims nothing)."""
+    return await psycopg.AsyncConnection.connect(
+        db_url, autocommit=True, application_name="yuxi-claims localhost")
+
+
+async def _ready_runs(pool, scope, n: int) -> list[uuid.UUID]:
+    """`n` ready runs of idle sessions, announced to nobody, their jobs gone
+    (as a lost job leaves them: redeliver_ready_runs_v1 announces them
+    again, all in one transaction)."""
+    made = []
+    for _ in range(n):
+        session = await new_session(pool, scope)
+        await sessions.receive_input(pool, scope, session.id, content="q")
+        made.append(await scalar(pool, "SELECT id FROM yuxi.runs WHERE session_id = %s",
+                                 (session.id,)))
+    await scalar(pool, "SELECT count(yuxi.drop_run_job_v1(id, (args->>'run_id')::uuid)) "
+                       "FROM procrastinate.procrastinate_jobs "
+                       "WHERE args->>'run_id' = ANY(%s::text[])", ([str(r) for r in made],))
+    return made
+
+
+async def _announce_again(pool) -> None:
+    await scalar(pool, "SELECT count(*) FROM yuxi.redeliver_ready_runs_v1('0 s')")
+
+
+async def _spread(db_url, pool, scope) -> tuple[int, int, dict[int, int]]:
+    """Two claimers: `a` has 10 runs announced to it (alone then), then 12
+    runs are announced in one transaction with `b` listening too. Returns
+    the claimers and how the 12 were spread."""
+    first, second = await _ready_runs(pool, scope, 10), await _ready_runs(pool, scope, 12)
+    a = await _fake_claimer(db_url)
+    try:
+        # (The 12 look younger than the sweep's horizon for now.)
+        await scalar(pool, "UPDATE yuxi.runs SET created_at = now() + interval '1 h' "
+                           "WHERE id = ANY(%s) RETURNING 1", (second,))
+        await _announce_again(pool)  # the first 10, to `a` alone
+        assert await rows(pool, CLAIMED, (first,)) == [{"claimer": a.info.backend_pid,
+                                                        "runs": 10}]
+        await scalar(pool, "UPDATE yuxi.runs SET created_at = now() - interval '1 h' "
+                           "WHERE id = ANY(%s) RETURNING 1", (second,))
+        b = await _fake_claimer(db_url)
+        try:
+            await _announce_again(pool)  # the 12, in one transaction
+            spread = {r["claimer"]: r["runs"] for r in await rows(pool, CLAIMED, (second,))}
+            return a.info.backend_pid, b.info.backend_pid, spread
+        finally:
+            await b.close()
+    finally:
+        await a.close()
+
+
+async def test_a_ready_run_is_announced_to_the_least_loaded_claimer(db_url, pool, alice):
+    # `b` takes runs until it has as many as `a` (10: each announcement in
+    # the transaction counts the ones before it); the tie then goes either
+    # way, and the last run to whichever has fewer: 11 to `b`, 1 to `a`.
+    a, b, spread = await _spread(db_url, pool, alice[1])
+    assert spread == {b: 11, a: 1}
+
+
+async def test_without_the_load_the_claimers_split_runs_by_hash(db_url, pool, alice):
+    # Negative case: ordered by the hash alone, the 12 runs split about
+    # evenly however loaded `a` is (all 11 or 12 to `b`: a 13-in-4096 chance).
+    await rewrite_function(pool, "yuxi.pick_claimer_v1", "ORDER BY (SELECT count(*)",
+                           "ORDER BY 0 * (SELECT count(*)")
+    a, b, spread = await _spread(db_url, pool, alice[1])
+    assert sum(spread.values()) == 12 and spread.get(b, 0) < 11
+
+
+async def test_a_run_counts_toward_the_worker_that_leases_it(db_url, pool, checkpoint_pool,
+                                                            alice):
+    # The lease records the leasing worker's claimer: a claiming worker's
+    # running runs are its load, whoever the run was announced to.
+    (run,) = await _ready_runs(pool, alice[1], 1)  # announced to nobody
+    ex = executor(pool, checkpoint_pool)
+    ex.claims(("runs",))
+    try:
+        assert await ex.listener.ready()
+        token = uuid.uuid4()
+        assert await runs.start_run(pool, run, token, 30, claimer=ex.listener.claimer)
+        assert await scalar(pool, "SELECT claimer FROM yuxi.runs WHERE id = %s",
+                            (run,)) == ex.listener.pid
+    finally:
+        await ex.close_claims()
+    # A worker that does not claim records none.
+    (run,) = await _ready_runs(pool, alice[1], 1)
+    assert ex.listener.claimer is None
+    assert await executor(pool, checkpoint_pool).execute(run) == "completed"
+    assert await scalar(pool, "SELECT claimer FROM yuxi.runs WHERE id = %s", (run,)) is None

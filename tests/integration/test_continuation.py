@@ -62,6 +62,19 @@ async def test_without_hand_over_the_next_turn_gets_a_job(pool, checkpoint_pool,
     assert await _jobs(pool) == [str(first), str(second)]
 
 
+async def test_a_handed_over_turn_counts_toward_the_worker_that_goes_on(pool, alice):
+    # The next turn's run is created leased to the completing worker, and it
+    # is that worker's load (runs.claimer, pick_claimer_v1) from the start.
+    session, _receipts, first = await _queued(pool, alice[1], 2)
+    token = uuid.uuid4()
+    assert await runs.start_run(pool, first, token, 30, claimer=77) is not None
+    outcome, following = await runs.complete(pool, first, token, {"text": "a"},
+                                             next_token=uuid.uuid4(), lease_seconds=30)
+    assert outcome == "completed" and following["id"] != first
+    assert await rows(pool, "SELECT status, claimer FROM yuxi.runs WHERE id = %s",
+                      (following["id"],)) == [{"status": "running", "claimer": 77}]
+
+
 async def test_continuation_is_bounded_per_job_while_the_process_is_full(pool, checkpoint_pool, alice):
     scope = alice[1]
     session, receipts, first = await _queued(pool, scope, 4)

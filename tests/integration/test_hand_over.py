@@ -87,6 +87,25 @@ async def test_a_released_slot_goes_on_in_the_releasing_worker(pool, checkpoint_
     assert started[-1]["run_id"] == kids[0] and started[-1]["data"]["handed_over"] is True
 
 
+async def test_a_handed_over_run_counts_toward_the_worker_that_goes_on(pool, checkpoint_pool,
+                                                                       alice):
+    # The run a worker goes on with is its load (runs.claimer), as the run it
+    # completed was: least-loaded announcements (pick_claimer_v1) see it.
+    scope = alice[1]
+    root = await new_session(pool, scope)
+    await _capacity(pool, root.tree_id, 1)
+    await sessions.receive_input(pool, scope, root.id, content="x")
+    (root_run,) = await runs_with_status(pool, "ready", root.tree_id)
+    token = uuid.uuid4()
+    assert await runs.start_run(pool, root_run, token, 60, claimer=4242) is not None
+    kid = await _child(pool, root, "k0")
+    outcome, following = await runs.complete(pool, root_run, token, {"text": "r"},
+                                             next_token=uuid.uuid4(), lease_seconds=60)
+    assert (outcome, following["id"]) == ("completed", kid)
+    assert await rows(pool, "SELECT status, claimer FROM yuxi.runs WHERE id = %s",
+                      (kid,)) == [{"status": "running", "claimer": 4242}]
+
+
 async def test_the_worker_goes_on_slot_after_slot(pool, checkpoint_pool, alice):
     scope = alice[1]
     root = await new_session(pool, scope)

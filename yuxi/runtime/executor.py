@@ -517,17 +517,18 @@ class RunExecutor:
         """Claim ready runs of `queues` as they are deferred (`yuxi_ready`),
         while this process has a free slot: their jobs are then removed,
         never fetched (claim_run_v1). Without a free slot the job stays for
-        whichever worker fetches it first. Of several claiming workers, one
-        claims a given run (WorkerListener.preferred)."""
+        whichever worker fetches it first. Of several claiming workers, the
+        one the run is announced to claims it (WorkerListener.picked)."""
         def on_ready(payload: str) -> None:
             try:
-                queue, run_id, job_id, session_id = payload.split()
+                queue, run_id, job_id, session_id, claimer = payload.split()
                 run, job, session = uuid.UUID(run_id), int(job_id), uuid.UUID(session_id)
+                picked = int(claimer)
             except ValueError:
                 log.warning("ignoring a malformed yuxi_ready payload %r", payload[:200])
                 return
             if queue not in queues or self.slots.locked() \
-                    or not self.listener.preferred(queue, run):
+                    or not self.listener.picked(picked):
                 return
             task = asyncio.create_task(self._claimed(run, job, session),
                                        name=f"yuxi-claim-{run}")
@@ -590,7 +591,8 @@ class RunExecutor:
                 # With what the run reads first: one round trip for both.
                 run, (latest, archive) = await runs.start_run_reading(
                     conn, run_id, token, self.settings.lease_seconds, lease_reads(run_id, after),
-                    mark=True, host=self.settings.host_id, job_id=job_id)
+                    mark=True, host=self.settings.host_id, job_id=job_id,
+                    claimer=self.listener.claimer)
             except BaseException:
                 await unmark(conn)  # whether or not the lease committed
                 raise

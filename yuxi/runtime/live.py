@@ -34,7 +34,6 @@ READY_CHANNEL = "yuxi_ready"
 # The application_name of a claiming worker's LISTEN connection, + its host
 # (how yuxi.claimers_v1 finds the claimers).
 CLAIMER = "yuxi-claims "
-CLAIMERS_SECONDS = 1.0
 FLUSH_SECONDS = 0.05
 # Characters of text per payload: even 6 bytes per character (JSON escapes)
 # keeps a payload under PostgreSQL's 8000-byte limit.
@@ -125,42 +124,39 @@ class WorkerListener:
         self._ready = asyncio.Event()
         self.on_ready: Callable[[str], None] | None = None
         # A claiming worker's host (set with on_ready): its LISTEN connection
-        # is named for it, so that every claimer sees the others (`claimers`).
+        # is named for it, so that the server knows the claimers
+        # (yuxi.claimers_v1) and announces each ready run to one of them.
         self.claimer_host: str | None = None
         self.pid: int | None = None  # this listener's backend
-        self.claimers: dict[str, list[int]] = {}  # queue -> the backends claiming it
 
     def stop_claiming(self) -> None:
         """Hear no more ready runs, and leave the claimers' set at once (a
         claimer that stays listed would be picked for runs it no longer
         claims): the connection is made again, listening to cancels only."""
-        self.on_ready, self.claimer_host, self.claimers = None, None, {}
+        self.on_ready, self.claimer_host = None, None
         if self._task is not None and not self._task.done():
             self._task.cancel()
             self._ready.clear()
             self._task = asyncio.create_task(self._listen_forever(), name="yuxi-cancel-watch")
 
-    def preferred(self, queue: str, run: uuid.UUID) -> bool:
-        """Whether this worker is the one that claims `run` of `queue`: of
-        the listening claimers that serve the queue, the one the run's id
-        picks. Another worker's claim would only lose the race for the
-        lease (a round trip and a wake-up on the same cores at the turn's
-        start); a run its claimer leaves (no free slot, just died) is
-        fetched from the queue as its job. Unknown (not listening yet, the
-        set not read): this worker claims, as every worker once did."""
-        pids = self.claimers.get(queue)
-        if not pids or self.pid not in pids:
-            return True
-        return pids[run.int % len(pids)] == self.pid
+    @property
+    def claimer(self) -> int | None:
+        """This worker's name among the claimers (runs.claimer): the backend
+        of its LISTEN connection while it claims; None when it does not."""
+        return self.pid if self.on_ready is not None else None
 
-    async def _read_claimers(self, conn: Any) -> None:
-        """The claimers listening now (yuxi.claimers_v1), by queue."""
+    def picked(self, claimer: int) -> bool:
+        """Whether a ready run announced to `claimer` (pick_claimer_v1, the
+        least-loaded claimer of its queue) is this worker's to claim.
+        Another worker's claim would only lose the race for the lease (a
+        round trip and a wake-up on the same cores at the turn's start); a
+        run its claimer leaves (no free slot, just gone) is fetched from the
+        queue as its job. 0: no claimer listened when the run was announced
+        (this one has just connected): every claimer claims it."""
+        return claimer == 0 or claimer == self.pid
+
+    async def _connected(self, conn: Any) -> None:
         self.pid = conn.info.backend_pid
-        rows = await db.fetch_all(conn, "claimers")
-        claimers: dict[str, list[int]] = {"runs": [pid for pid, _ in rows]}
-        for pid, host in rows:
-            claimers.setdefault(f"runs@{host}", []).append(pid)
-        self.claimers = claimers
 
     def start(self) -> None:
         self._ensure_started()
@@ -230,15 +226,12 @@ class WorkerListener:
         if self.on_ready is None:
             channels, url, on_poll = (CANCEL_CHANNEL,), self.url, None
         else:
-            channels, on_poll = (CANCEL_CHANNEL, READY_CHANNEL), self._read_claimers
+            channels, on_poll = (CANCEL_CHANNEL, READY_CHANNEL), self._connected
             url = make_conninfo(self.url, application_name=f"{CLAIMER}{self.claimer_host}"[:63])
-        # A claimer reads the set of claimers every second: a worker that
-        # joins is seen (and one that left is no longer picked) within it.
-        poll = self.poll_seconds if on_poll is None else min(self.poll_seconds, CLAIMERS_SECONDS)
         await db.listen_forever(url, channels, self._note,
                                 what="worker listener", on_connect=self._ready.set,
                                 on_disconnect=self._ready.clear, on_poll=on_poll,
-                                poll_seconds=poll)
+                                poll_seconds=self.poll_seconds)
 
 
 def _current_cancelling() -> bool:

@@ -19,23 +19,25 @@ from yuxi import db
 async def start_run(
     source: AsyncConnectionPool | AsyncConnection, run_id: uuid.UUID, token: uuid.UUID,
     lease_seconds: float, *, mark: bool = False, host: str | None = None,
-    job_id: int | None = None,
+    job_id: int | None = None, claimer: int | None = None,
 ) -> dict[str, Any] | None:
     """Take the lease of a ready run; None when the run is not ready (a stale
     or duplicate job). `mark`: `source` is the run's checkpoint connection,
     marked with the lease in the same transaction. `job_id`: the run's job,
-    removed from the queue with the lease (a claim on `yuxi_ready`)."""
-    query, params = _lease(run_id, token, lease_seconds, mark, host, job_id)
+    removed from the queue with the lease (a claim on `yuxi_ready`).
+    `claimer`: the leasing worker's, when it claims (runs.claimer)."""
+    query, params = _lease(run_id, token, lease_seconds, mark, host, job_id, claimer)
     async with db.connection(source) as conn:
         return await db.fetch_one(conn, query, params)
 
 
 def _lease(run_id: uuid.UUID, token: uuid.UUID, lease_seconds: float, mark: bool,
-           host: str | None, job_id: int | None) -> tuple[str, dict[str, Any]]:
+           host: str | None, job_id: int | None,
+           claimer: int | None) -> tuple[str, dict[str, Any]]:
     """The statement that takes a run's lease: a claim's (its job removed
     with it) or a job's."""
     params = {"run_id": run_id, "token": token, "lease_seconds": lease_seconds, "mark": mark,
-              "host": host}
+              "host": host, "claimer": claimer}
     if job_id is None:
         return "start_run", params
     return "claim_run", {**params, "job_id": job_id}
@@ -44,13 +46,13 @@ def _lease(run_id: uuid.UUID, token: uuid.UUID, lease_seconds: float, mark: bool
 async def start_run_reading(
     conn: AsyncConnection, run_id: uuid.UUID, token: uuid.UUID, lease_seconds: float,
     reads: Sequence[tuple[str, Any]], *, mark: bool = False, host: str | None = None,
-    job_id: int | None = None,
+    job_id: int | None = None, claimer: int | None = None,
 ) -> tuple[dict[str, Any] | None, list[list[dict[str, Any]]]]:
     """`start_run`, and `reads` ((query, params), run in binary) after it in
     the same round trip (one pipeline): what the run reads first, known by
     the run's id alone. Their rows are worth nothing when no run is
     returned."""
-    query, params = _lease(run_id, token, lease_seconds, mark, host, job_id)
+    query, params = _lease(run_id, token, lease_seconds, mark, host, job_id, claimer)
     with db.domain_errors():
         async with conn.pipeline():
             lease = await conn.execute(db.QUERIES[query], params)
