@@ -174,14 +174,52 @@ async def scenario_fanout(args: Any, log_dir: Path) -> list[str]:
                     (receipt["input_id"], root["tree_id"], receipt["turn_id"], status))
                 elapsed, done, span = await cur.fetchone()
                 elapsed, span = float(elapsed), float(span or 0)
+                parts = await fan_out_parts(conn, root, receipt, args.delay_ms)
                 line = (f"fan-out ({attempt}): {args.children} children x {args.delay_ms} ms "
                         f"on {SLOTS} slots: elapsed {elapsed:.3f} s, ideal {ideal:.3f} s, "
                         f"ratio {elapsed / ideal:.2f} (target <= 1.10); children's first "
                         f"run.started to last turn.completed {span:.3f} s; "
-                        f"{done} children completed; root turn {status}")
+                        f"{done} children completed; root turn {status}; {parts}")
                 print(line, flush=True)
                 lines.append(line)
     return lines
+
+
+async def fan_out_parts(conn: psycopg.AsyncConnection, root: dict[str, Any],
+                        receipt: dict[str, Any], delay_ms: int) -> str:
+    """Where a fan-out's time beyond the ideal went: the root's first run
+    (its input to its suspension, when its slot goes to the last chain),
+    a child's run beyond its model's delay (p50 and p90, from its lease to
+    its completion), the root's resumed run (the last child's end to the
+    root's), and the runs each worker process executed (runs.claimer)."""
+    cur = await conn.execute(
+        """SELECT (SELECT extract(epoch FROM min(e.created_at) - i.created_at) * 1000
+                     FROM yuxi.events e
+                    WHERE e.tree_id = %(tree)s AND e.turn_id = %(turn)s
+                      AND e.type = 'run.suspended') AS first_ms,
+                  (SELECT percentile_cont(ARRAY[0.5, 0.9]) WITHIN GROUP (
+                              ORDER BY extract(epoch FROM r.finished_at - r.started_at) * 1000)
+                     FROM yuxi.runs r
+                    WHERE r.tree_id = %(tree)s AND r.session_id <> %(root)s
+                      AND r.status = 'completed') AS child_ms,
+                  (SELECT extract(epoch FROM max(e.created_at) FILTER (
+                                      WHERE e.session_id = %(root)s)
+                                  - max(e.created_at) FILTER (
+                                      WHERE e.session_id <> %(root)s)) * 1000
+                     FROM yuxi.events e
+                    WHERE e.tree_id = %(tree)s AND e.type = 'turn.completed') AS resume_ms,
+                  (SELECT array_agg(n ORDER BY n DESC)
+                     FROM (SELECT count(*) AS n FROM yuxi.runs
+                            WHERE tree_id = %(tree)s GROUP BY claimer) c) AS per_worker
+             FROM yuxi.inputs i WHERE i.id = %(input)s""",
+        {"tree": root["tree_id"], "turn": receipt["turn_id"], "root": root["id"],
+         "input": receipt["input_id"]})
+    first, child, resume, per_worker = await cur.fetchone()
+    child = child or [0.0, 0.0]
+    return (f"root's first run {float(first or 0):.0f} ms, a child's run "
+            f"+{child[0] - delay_ms:.1f} ms (p90 +{child[1] - delay_ms:.1f}), root's "
+            f"resume {float(resume or 0):.0f} ms, runs per worker "
+            f"{'/'.join(map(str, per_worker or []))}")
 
 
 # --------------------------------------------------------------------------
