@@ -24,7 +24,21 @@ HOST_QUEUE = f"runs@{settings.host_id}"
 # our own log lines say what a run did.
 logging.getLogger("procrastinate").setLevel(logging.WARNING)
 
-app = procrastinate.App(
+class WorkerApp(procrastinate.App):
+    """Procrastinate's app, whose worker opens this process's executor as it
+    starts (workers.tasks.start_executor), not at the first job it happens
+    to fetch: its claims of ready runs (`yuxi_ready`) begin with the worker.
+    Opened lazily, a worker whose peers claimed every run never got a job,
+    so it never claimed either, and one process ran every run."""
+
+    async def run_worker_async(self, **kwargs) -> None:  # type: ignore[override]
+        from workers import tasks
+
+        tasks.start_executor()
+        await super().run_worker_async(**kwargs)
+
+
+app = WorkerApp(
     connector=procrastinate.PsycopgConnector(
         # Direct: its LISTEN connection is built from this pool's conninfo.
         conninfo=db.with_search_path(settings.session_database_url, db.PROCRASTINATE_SCHEMA),

@@ -59,6 +59,24 @@ async def _executor() -> RunExecutor:
     return _context["executor"]  # type: ignore[return-value]
 
 
+def start_executor() -> None:
+    """Open this process's executor in the background (the worker is
+    starting): its claims begin now. A failure (the database away) is
+    logged; the first job opens it then."""
+    if "executor" in _context or "opening" in _context:
+        return
+
+    def opened(task: asyncio.Task) -> None:
+        _context.pop("opening", None)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("opening the executor: %s; the first job opens it",
+                        task.exception())
+
+    task = asyncio.create_task(_executor(), name="yuxi-open-executor")
+    _context["opening"] = task
+    task.add_done_callback(opened)
+
+
 async def _host_heartbeats(pool) -> None:
     while True:
         try:
