@@ -204,3 +204,55 @@ async def test_without_the_checkpoint_fence_a_stale_worker_writes(pool, checkpoi
         graph = build_graph(model, {}, Quiet(), preamble=[], checkpointer=saver)
         await graph.ainvoke({"messages": [HumanMessage("x", id="h1")]}, cfg)
     assert await scalar(pool, "SELECT count(*) FROM langgraph.checkpoints") > 0
+
+
+SLOW_READ = ("SELECT pg_sleep(0.4)", None)
+
+
+async def _tree_lock_taken_meanwhile(db_url, tree_id, pipeline) -> bool:
+    """Whether another connection takes the tree's lock (waiting at most
+    150 ms) while `pipeline` (a coroutine) is 100 ms in."""
+    task = asyncio.ensure_future(pipeline)
+    await asyncio.sleep(0.1)
+    try:
+        async with await psycopg.AsyncConnection.connect(db_url) as other:
+            await other.execute("SET lock_timeout = '150ms'")
+            try:
+                await other.execute("SELECT yuxi.lock_tree_v1(%s)", (tree_id,))
+                return True
+            except psycopg.errors.LockNotAvailable:
+                return False
+    finally:
+        await task
+
+
+async def test_a_leases_first_reads_hold_no_tree_lock(db_url, pool, checkpoint_pool, alice):
+    # The lease takes the tree's lock until its pipeline commits, and the
+    # tree's claims, completions and events queue for it: the run's first
+    # reads go before the lease in the pipeline, so a slow read holds up
+    # no one.
+    session = await new_session(pool, alice[1])
+    await sessions.receive_input(pool, alice[1], session.id, content="hi")
+    (run_id,) = await runs_with_status(pool, "ready")
+    async with checkpoint_pool.connection() as conn:
+        lease = runs.start_run_reading(conn, run_id, uuid.uuid4(), 30, [SLOW_READ])
+        assert await _tree_lock_taken_meanwhile(db_url, session.tree_id, lease)
+    assert await runs_with_status(pool, "running") == [run_id]
+
+
+async def test_a_read_after_the_lease_holds_the_tree_lock(db_url, pool, checkpoint_pool, alice):
+    # Negative case: the same read after the lease, in its pipeline (its
+    # implicit transaction), keeps the tree locked while it runs.
+    session = await new_session(pool, alice[1])
+    await sessions.receive_input(pool, alice[1], session.id, content="hi")
+    (run_id,) = await runs_with_status(pool, "ready")
+
+    async def lease_then_read(conn):
+        async with conn.pipeline():
+            await conn.execute("SELECT * FROM yuxi.start_run_v1(%s, %s, 30)",
+                               (run_id, uuid.uuid4()))
+            await conn.execute(*SLOW_READ)
+
+    async with checkpoint_pool.connection() as conn:
+        assert not await _tree_lock_taken_meanwhile(db_url, session.tree_id,
+                                                    lease_then_read(conn))

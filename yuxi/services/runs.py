@@ -48,16 +48,20 @@ async def start_run_reading(
     reads: Sequence[tuple[str, Any]], *, mark: bool = False, host: str | None = None,
     job_id: int | None = None, claimer: int | None = None,
 ) -> tuple[dict[str, Any] | None, list[list[dict[str, Any]]]]:
-    """`start_run`, and `reads` ((query, params), run in binary) after it in
-    the same round trip (one pipeline): what the run reads first, known by
-    the run's id alone. Their rows are worth nothing when no run is
-    returned."""
+    """`start_run`, and `reads` ((query, params), run in binary) in the
+    same round trip (one pipeline): what the run reads first, known by the
+    run's id alone. Their rows are worth nothing when no run is returned.
+    The reads go first: the lease takes the tree's lock, held until the
+    pipeline commits, and a tree's claims, completions and events queue
+    for it (a fan-out's first children and its root's tool results, at
+    once). Nothing writes a ready run's thread meanwhile (no lease is
+    held in its session), so they read what they would read after it."""
     query, params = _lease(run_id, token, lease_seconds, mark, host, job_id, claimer)
     with db.domain_errors():
         async with conn.pipeline():
-            lease = await conn.execute(db.QUERIES[query], params)
             cursors = [await conn.cursor(binary=True, row_factory=dict_row).execute(
                            q, p, binary=True) for q, p in reads]
+            lease = await conn.execute(db.QUERIES[query], params)
         run = await lease.fetchone()
         return run, [await cur.fetchall() for cur in cursors]
 
