@@ -153,7 +153,7 @@ def fan_out_script(children: int, delay_ms: int) -> dict[str, Any]:
 async def scenario_fanout(args: Any, log_dir: Path) -> list[str]:
     ideal = args.children * args.delay_ms / 1000 / SLOTS
     lines = []
-    async with services(args.database_url, log_dir) as (_base, _key, http):
+    async with services(args.database_url, log_dir, workers=args.workers) as (_base, _key, http):
         async with await psycopg.AsyncConnection.connect(args.database_url,
                                                          autocommit=True) as conn:
             for attempt in ("warm-up", "measured"):
@@ -248,7 +248,7 @@ def wake_script(delay_ms: int) -> dict[str, Any]:
 
 async def scenario_wake(args: Any, log_dir: Path) -> list[str]:
     wakes: list[float] = []
-    async with services(args.database_url, log_dir) as (_base, _key, http):
+    async with services(args.database_url, log_dir, workers=args.workers) as (_base, _key, http):
         async with await psycopg.AsyncConnection.connect(args.database_url,
                                                          autocommit=True) as conn:
             for i in range(args.waits + WAKE_WARMUP):
@@ -532,6 +532,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scenarios", default="fanout,wake,sse")
     p.add_argument("--children", type=int, default=64)
+    p.add_argument("--workers", type=int, default=2,
+                   help="worker processes for the fan-out and wake scenarios (default 2)")
     p.add_argument("--delay-ms", type=int, default=200)
     p.add_argument("--waits", type=int, default=50)
     p.add_argument("--subscribers", type=int, default=500)
