@@ -503,9 +503,20 @@ async def scenario_sse(args: Any, log_dir: Path) -> list[str]:
 # --------------------------------------------------------------------------
 
 
+def machine_speed() -> float:
+    """Seconds a 10-million-step Python loop takes: this machine's speed
+    wanders by 2x within an hour, and the figures with it; printed at the
+    start and the end so that runs of different hours can be told apart."""
+    began = time.perf_counter()
+    for _ in range(10_000_000):
+        pass
+    return time.perf_counter() - began
+
+
 async def main_async(args: Any) -> None:
     scenarios = {"fanout": scenario_fanout, "wake": scenario_wake, "sse": scenario_sse}
     lines: list[str] = []
+    speed = [machine_speed()]
     with tempfile.TemporaryDirectory(prefix="yuxi-latency-") as tmp:
         async with bench.exclusive(args.database_url):
             for name in args.scenarios.split(","):
@@ -520,9 +531,12 @@ async def main_async(args: Any) -> None:
                             log.read_text(errors="replace").splitlines()[-15:])
                     print(line, flush=True)
                     lines.append(line)
+    speed.append(machine_speed())
     print("\nlatency summary:")
     for line in lines:
         print("  " + line.splitlines()[0])
+    print(f"  machine: a 10-million-step Python loop took {speed[0]:.2f} s at the start, "
+          f"{speed[1]:.2f} s at the end")
 
 
 def main(argv: list[str] | None = None) -> int:
