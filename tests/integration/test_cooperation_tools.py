@@ -412,3 +412,34 @@ async def test_a_batch_of_creates_is_one_transaction(pool, alice):
              "task": "t"} for i, name in ((1, "other"), (2, "kid"))])
     assert await scalar(pool, "SELECT count(*) FROM yuxi.sessions WHERE parent_id = %s",
                         (run["session_id"],)) == 1
+
+
+async def test_a_recorded_effect_is_made_once(pool, checkpoint_pool, alice):
+    # _effect runs the fence, the recorded-result read, the effect and its
+    # record in one transaction: a replay, a changed request, a failing
+    # effect and a lost lease.
+    from yuxi.errors import LeaseLost, NotFound
+
+    scope = alice[1]
+    run, token, ctx = await running(pool, scope)
+    await cooperation.create_session(ctx("mk"), {"name": "c", "task": "first"})
+    sent = await cooperation.send_message(ctx("msg"), {"session": "c", "text": "hi"})
+    # A replay of the call returns the recorded result and sends nothing more.
+    assert await cooperation.send_message(ctx("msg"), {"session": "c", "text": "hi"}) == sent
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.messages") == 1
+    # The same call id with another request is refused.
+    with pytest.raises(Conflict):
+        await cooperation.send_message(ctx("msg"), {"session": "c", "text": "other"})
+    # An effect that fails records nothing: the call may be made again.
+    with pytest.raises((NotFound, ToolError)):
+        await cooperation.send_message(ctx("bad"), {"session": "nobody", "text": "x"})
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.effects WHERE call_id = 'bad'") == 0
+    assert (await cooperation.send_message(ctx("bad"), {"session": "c", "text": "x"})
+            )["path"] == "/root/c"
+    # A lost lease changes nothing.
+    await scalar(pool, "UPDATE yuxi.runs SET lease_expires_at = now() - interval '1 s' "
+                       "WHERE id = %s RETURNING id", (run["id"],))
+    with pytest.raises(LeaseLost):
+        await cooperation.send_message(ctx("late"), {"session": "c", "text": "late"})
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.messages") == 2
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.effects WHERE call_id = 'late'") == 0
