@@ -36,7 +36,9 @@ if settings.worker_metrics_port:
 
 
 async def _executor() -> RunExecutor:
-    """Pools of this worker process, opened on first use (in the worker's loop)."""
+    """Pools of this worker process, opened as the worker starts
+    (start_executor) or by its first job, whichever comes first (in the
+    worker's loop)."""
     async with _context_lock:
         if "executor" not in _context:
             pool = db.app_pool(settings.database_url, max_size=settings.worker_concurrency + 2,
