@@ -85,12 +85,20 @@ CREATE FUNCTION yuxi.pick_claimer_v1(p_queue text, p_run uuid) RETURNS integer
 BEGIN
     RETURN (SELECT c.pid FROM yuxi.claimers_v1() c
              WHERE p_queue = 'runs' OR p_queue = 'runs@' || c.host
-             ORDER BY (SELECT count(*) FROM (SELECT FROM yuxi.runs r
-                                              WHERE r.claimer = c.pid
-                                                AND r.status IN ('ready', 'running')
-                                              LIMIT 64) l),
-                      hashtext(p_run::text || c.pid)
+             ORDER BY yuxi.claimer_load_v1(c.pid), hashtext(p_run::text || c.pid)
              LIMIT 1);
+END;
+$$;
+
+-- A claimer's load: the runs announced to it or running on it
+-- (runs.claimer), counted up to 64.
+CREATE FUNCTION yuxi.claimer_load_v1(p_claimer integer) RETURNS bigint
+    LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    RETURN (SELECT count(*) FROM (SELECT FROM yuxi.runs
+                                   WHERE claimer = p_claimer
+                                     AND status IN ('ready', 'running')
+                                   LIMIT 64) l);
 END;
 $$;
 
@@ -210,13 +218,42 @@ CREATE FUNCTION yuxi.hand_over_claimer_v1() RETURNS integer
     SELECT nullif(current_setting('yuxi.hand_over_claimer', true), '')::integer;
 $$;
 
+-- Whether the worker whose offer is open may go on with p_run, a run of
+-- p_tree, and keep the claimers balanced: not when it runs two or more
+-- other runs and the least-loaded claimer of the run's queue runs fewer;
+-- the run is then announced to that one (defer_run_job_v1). Chains of a
+-- tree that one worker took while it was alone (its peers started later,
+-- or came back) spread out at their next runs; a worker running one other
+-- run never asks (a balanced fan-out's chains, two per worker, go on
+-- without the check).
+CREATE FUNCTION yuxi.hand_over_keeps_balance_v1(p_tree uuid, p_run uuid) RETURNS boolean
+    LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_claimer integer := yuxi.hand_over_claimer_v1();
+    v_load bigint;
+    v_pick integer;
+BEGIN
+    IF v_claimer IS NULL OR nullif(current_setting('yuxi.hand_over_token', true), '') IS NULL THEN
+        RETURN true;
+    END IF;
+    v_load := yuxi.claimer_load_v1(v_claimer);
+    IF v_load < 2 THEN
+        RETURN true;
+    END IF;
+    v_pick := yuxi.pick_claimer_v1(yuxi.run_queue_v1(p_tree), p_run);
+    RETURN v_pick IS NULL OR v_pick = v_claimer OR yuxi.claimer_load_v1(v_pick) >= v_load;
+END;
+$$;
+
 -- A pending run gets a slot of its tree (the caller holds the tree lock):
--- leased to the worker whose offer is open (take_hand_over_v1), else ready
--- with its job deferred.
+-- leased to the worker whose offer is open (take_hand_over_v1) while that
+-- keeps the claimers balanced (hand_over_keeps_balance_v1), else ready with
+-- its job deferred.
 CREATE FUNCTION yuxi.give_slot_v1(p_run uuid, p_tree uuid) RETURNS void
     LANGUAGE plpgsql AS $$
 DECLARE
-    v_token uuid := yuxi.take_hand_over_v1(p_tree, p_run);
+    v_token uuid := CASE WHEN yuxi.hand_over_keeps_balance_v1(p_tree, p_run)
+                         THEN yuxi.take_hand_over_v1(p_tree, p_run) END;
     v_run yuxi.runs;
 BEGIN
     INSERT INTO yuxi.slot_claims (run_id, tree_id) VALUES (p_run, p_tree);

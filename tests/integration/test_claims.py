@@ -354,8 +354,8 @@ async def test_a_ready_run_is_announced_to_the_least_loaded_claimer(db_url, pool
 async def test_without_the_load_the_claimers_split_runs_by_hash(db_url, pool, alice):
     # Negative case: ordered by the hash alone, the 12 runs split about
     # evenly however loaded `a` is (all 11 or 12 to `b`: a 13-in-4096 chance).
-    await rewrite_function(pool, "yuxi.pick_claimer_v1", "ORDER BY (SELECT count(*)",
-                           "ORDER BY 0 * (SELECT count(*)")
+    await rewrite_function(pool, "yuxi.pick_claimer_v1", "ORDER BY yuxi.claimer_load_v1(c.pid)",
+                           "ORDER BY 0 * yuxi.claimer_load_v1(c.pid)")
     a, b, spread = await _spread(db_url, pool, alice[1])
     assert sum(spread.values()) == 12 and spread.get(b, 0) < 11
 

@@ -509,3 +509,59 @@ async def test_a_run_of_another_session_reads_its_own_conversation(pool, checkpo
     assert [(m["role"], m["content"]) for m in kept] == [
         ("human", "task k0"), ("ai", "kid did task k0"),
         ("human", "again"), ("ai", "kid did again")]
+
+
+# ----------------------------------------------------- balance across workers
+
+
+async def _busy(pool, scope, claimer: int, n: int) -> None:
+    """`n` runs of other trees running on `claimer`'s worker."""
+    for _ in range(n):
+        session = await new_session(pool, scope)
+        await sessions.receive_input(pool, scope, session.id, content="x")
+        (run_id,) = await runs_with_status(pool, "ready", session.tree_id)
+        assert await runs.start_run(pool, run_id, uuid.uuid4(), 60, claimer=claimer)
+
+
+async def _next_of_a_worker_running(db_url, pool, scope, mine: int, peers: int):
+    """A worker (claimer `a`) completes a tree's run while it runs `mine`
+    other runs and its peer (claimer `b`) runs `peers`: what the tree's
+    next run became, and both claimers."""
+    import psycopg
+
+    async with await psycopg.AsyncConnection.connect(
+            db_url, autocommit=True, application_name="yuxi-claims localhost") as a, \
+            await psycopg.AsyncConnection.connect(
+                db_url, autocommit=True, application_name="yuxi-claims localhost") as b:
+        a_pid, b_pid = a.info.backend_pid, b.info.backend_pid
+        root = await new_session(pool, scope)
+        await _capacity(pool, root.tree_id, 1)
+        await sessions.receive_input(pool, scope, root.id, content="x")
+        (root_run,) = await runs_with_status(pool, "ready", root.tree_id)
+        token = uuid.uuid4()
+        assert await runs.start_run(pool, root_run, token, 60, claimer=a_pid)
+        kid = await _child(pool, root, "k0")
+        await _busy(pool, scope, a_pid, mine)
+        await _busy(pool, scope, b_pid, peers)
+        _, following = await runs.complete(pool, root_run, token, {"text": "r"},
+                                           next_token=uuid.uuid4(), lease_seconds=60)
+        (kid_row,) = await rows(pool, "SELECT status, claimer FROM yuxi.runs WHERE id = %s",
+                                (kid,))
+        return following, kid_row, a_pid, b_pid
+
+
+async def test_a_worker_running_more_than_its_peer_lets_the_next_run_go(db_url, pool, alice):
+    # Two other runs here, none on the peer: the tree's next run is
+    # announced to the peer instead of going on here (chains one worker
+    # took while alone spread out).
+    following, kid, _a, b = await _next_of_a_worker_running(db_url, pool, alice[1], 2, 0)
+    assert following is None and kid == {"status": "ready", "claimer": b}
+
+
+async def test_a_balanced_worker_goes_on_with_the_next_run(db_url, pool, alice):
+    # Negative cases: one other run (a balanced fan-out's two chains per
+    # worker: no check at all), or a peer as busy: it goes on.
+    for mine, peers in ((1, 0), (2, 2)):
+        following, kid, a, _b = await _next_of_a_worker_running(db_url, pool, alice[1],
+                                                                mine, peers)
+        assert following is not None and kid == {"status": "running", "claimer": a}
