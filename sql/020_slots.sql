@@ -146,7 +146,7 @@ $$;
 -- its next run. A run so leased is like any leased run: if the worker dies
 -- before or while executing it, its lease expires and recovery continues it.
 CREATE FUNCTION yuxi.offer_hand_over_v1(p_token uuid, p_lease_seconds double precision,
-                                        p_host text, p_claimer integer) RETURNS void
+                                        p_offering yuxi.runs) RETURNS void
     LANGUAGE plpgsql AS $$
 BEGIN
     IF p_lease_seconds IS NULL THEN
@@ -154,8 +154,9 @@ BEGIN
     END IF;
     PERFORM set_config('yuxi.hand_over_token', p_token::text, true),
             set_config('yuxi.hand_over_lease', p_lease_seconds::text, true),
-            set_config('yuxi.hand_over_host', coalesce(p_host, ''), true),
-            set_config('yuxi.hand_over_claimer', coalesce(p_claimer::text, ''), true),
+            -- The same worker as the offering run's: its host, its claimer.
+            set_config('yuxi.hand_over_host', coalesce(p_offering.host_id, ''), true),
+            set_config('yuxi.hand_over_claimer', coalesce(p_offering.claimer::text, ''), true),
             set_config('yuxi.hand_over_run', '', true);
 END;
 $$;
@@ -177,8 +178,10 @@ $$;
 -- token, or NULL when there is no offer (any more) or the run may not run on
 -- the offering worker's host (host affinity: the tree's runs go to the host
 -- queue of its live sandbox, sql/120_hosts.sql; a worker without a host id
--- takes only runs of the shared queue).
-CREATE FUNCTION yuxi.take_hand_over_v1(p_tree uuid, p_run uuid) RETURNS uuid
+-- takes only runs of the shared queue), or, with p_balance, going on with it
+-- would leave the claimers unbalanced (hand_over_keeps_balance_v1).
+CREATE FUNCTION yuxi.take_hand_over_v1(p_tree uuid, p_run uuid,
+                                       p_balance boolean DEFAULT false) RETURNS uuid
     LANGUAGE plpgsql AS $$
 DECLARE
     v_token uuid := nullif(current_setting('yuxi.hand_over_token', true), '')::uuid;
@@ -190,6 +193,9 @@ BEGIN
     v_queue := yuxi.run_queue_v1(p_tree);
     IF v_queue <> 'runs'
        AND v_queue IS DISTINCT FROM 'runs@' || yuxi.hand_over_host_v1() THEN
+        RETURN NULL;
+    END IF;
+    IF p_balance AND NOT yuxi.hand_over_keeps_balance_v1(v_queue, p_run) THEN
         RETURN NULL;
     END IF;
     -- Taken: one run per offer (a second one would share the token).
@@ -219,41 +225,41 @@ CREATE FUNCTION yuxi.hand_over_claimer_v1() RETURNS integer
 $$;
 
 -- Whether the worker whose offer is open may go on with p_run, a run of
--- p_tree, and keep the claimers balanced: not when it runs two or more
--- other runs and the least-loaded claimer of the run's queue runs fewer;
+-- queue p_queue, and keep the claimers balanced: not when it runs two or
+-- more other runs and the least-loaded claimer of the queue runs fewer;
 -- the run is then announced to that one (defer_run_job_v1). Chains of a
 -- tree that one worker took while it was alone (its peers started later,
 -- or came back) spread out at their next runs; a worker running one other
 -- run never asks (a balanced fan-out's chains, two per worker, go on
 -- without the check).
-CREATE FUNCTION yuxi.hand_over_keeps_balance_v1(p_tree uuid, p_run uuid) RETURNS boolean
+CREATE FUNCTION yuxi.hand_over_keeps_balance_v1(p_queue text, p_run uuid) RETURNS boolean
     LANGUAGE plpgsql STABLE AS $$
 DECLARE
     v_claimer integer := yuxi.hand_over_claimer_v1();
     v_load bigint;
     v_pick integer;
 BEGIN
-    IF v_claimer IS NULL OR nullif(current_setting('yuxi.hand_over_token', true), '') IS NULL THEN
+    IF v_claimer IS NULL THEN
         RETURN true;
     END IF;
     v_load := yuxi.claimer_load_v1(v_claimer);
     IF v_load < 2 THEN
         RETURN true;
     END IF;
-    v_pick := yuxi.pick_claimer_v1(yuxi.run_queue_v1(p_tree), p_run);
+    v_pick := yuxi.pick_claimer_v1(p_queue, p_run);
     RETURN v_pick IS NULL OR v_pick = v_claimer OR yuxi.claimer_load_v1(v_pick) >= v_load;
 END;
 $$;
 
 -- A pending run gets a slot of its tree (the caller holds the tree lock):
--- leased to the worker whose offer is open (take_hand_over_v1) while that
--- keeps the claimers balanced (hand_over_keeps_balance_v1), else ready with
--- its job deferred.
+-- leased to the worker whose offer is open while that keeps the claimers
+-- balanced (take_hand_over_v1), else ready with its job deferred. (The
+-- session's next turn, start_turn_run_v1, goes on where its checkpoint is,
+-- balanced or not.)
 CREATE FUNCTION yuxi.give_slot_v1(p_run uuid, p_tree uuid) RETURNS void
     LANGUAGE plpgsql AS $$
 DECLARE
-    v_token uuid := CASE WHEN yuxi.hand_over_keeps_balance_v1(p_tree, p_run)
-                         THEN yuxi.take_hand_over_v1(p_tree, p_run) END;
+    v_token uuid := yuxi.take_hand_over_v1(p_tree, p_run, true);
     v_run yuxi.runs;
 BEGIN
     INSERT INTO yuxi.slot_claims (run_id, tree_id) VALUES (p_run, p_tree);

@@ -384,9 +384,7 @@ BEGIN
     PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
                                'run.completed', '{}');
     IF p_next_token IS NOT NULL THEN
-        -- The same worker: the same host.
-        PERFORM yuxi.offer_hand_over_v1(p_next_token, p_lease_seconds, v_run.host_id,
-                                         v_run.claimer);
+        PERFORM yuxi.offer_hand_over_v1(p_next_token, p_lease_seconds, v_run);
     END IF;
     PERFORM yuxi.finish_turn_v1(p_run, 'completed', NULL);
     next_run := yuxi.handed_over_run_v1(p_next_token, p_mark);

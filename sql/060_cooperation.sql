@@ -580,8 +580,7 @@ BEGIN
     -- that run is leased to this worker in this transaction (as a
     -- completion's: a fan-out's last slot starts without a queue round trip).
     IF p_next_token IS NOT NULL THEN
-        PERFORM yuxi.offer_hand_over_v1(p_next_token, p_lease_seconds, v_run.host_id,
-                                         v_run.claimer);
+        PERFORM yuxi.offer_hand_over_v1(p_next_token, p_lease_seconds, v_run);
     END IF;
     PERFORM yuxi.release_slot_v1(p_run);
     next_run := yuxi.handed_over_run_v1(p_next_token, p_mark);

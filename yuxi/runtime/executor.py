@@ -99,8 +99,8 @@ class EventReporter:
             if self.saver is None:
                 await self._emit(type_, data, key)
                 return
-            params = {"run_id": self.run_id, "token": self.token, "type": type_,
-                      "data": Jsonb(data), "dedupe_key": f"{self.turn_id}:{key}"}
+            params = runs.emit_params(self.run_id, self.token, type_, data,
+                                      f"{self.turn_id}:{key}")
             self.saver.along(lambda: (db.QUERIES["emit_run_event"], params))
 
     async def tool_started(self, call: dict[str, Any]) -> None:

@@ -77,16 +77,20 @@ async def heartbeat(
     return bool(row["held"])
 
 
+def emit_params(run_id: uuid.UUID, token: uuid.UUID, type_: str, data: dict[str, Any],
+                dedupe_key: str | None) -> dict[str, Any]:
+    """The parameters of `emit_run_event` (a run's event, fenced by its lease)."""
+    return {"run_id": run_id, "token": token, "type": type_, "data": Jsonb(data),
+            "dedupe_key": dedupe_key}
+
+
 async def emit(
     pool: AsyncConnectionPool, run_id: uuid.UUID, token: uuid.UUID,
     type_: str, data: dict[str, Any], dedupe_key: str | None,
 ) -> int | None:
     async with pool.connection() as conn:
-        row = await db.fetch_one(
-            conn, "emit_run_event",
-            {"run_id": run_id, "token": token, "type": type_, "data": Jsonb(data),
-             "dedupe_key": dedupe_key},
-        )
+        row = await db.fetch_one(conn, "emit_run_event",
+                                 emit_params(run_id, token, type_, data, dedupe_key))
     return row["seq"]
 
 
