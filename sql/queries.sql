@@ -170,8 +170,8 @@ SELECT yuxi.emit_run_event_v1(%(run_id)s, %(token)s, %(type)s, %(data)s, %(dedup
 SELECT c.outcome, (c.next_run).*
 FROM yuxi.complete_run_v1(%(run_id)s, %(token)s, %(output)s, %(delivered)s,
                           %(next_token)s, %(lease_seconds)s, %(events)s, %(mark)s,
-                          %(archive_ids)s, %(archive_turns)s, %(archive_serde)s,
-                          %(archive_messages)s) c;
+                          %(archive_ids)b, %(archive_turns)b, %(archive_serde)b,
+                          %(archive_messages)b) c;
 
 -- name: mark_steers_delivered
 SELECT yuxi.mark_steers_delivered_v1(%(run_id)s, %(token)s, %(input_ids)s) AS marked;
@@ -462,7 +462,7 @@ WHERE s.tree_id = %(tree_id)s AND s.user_id = %(user_id)s AND s.app_id = %(app_i
 -- scan.
 -- name: archive_conversation
 SELECT message_id, serde, message FROM yuxi.archive_conversation_v1(
-    %(run_id)s, %(token)s, %(ids)s, %(turns)s, %(serde)s, %(messages)s);
+    %(run_id)s, %(token)s, %(ids)b, %(turns)b, %(serde)b, %(messages)b);
 
 -- A page of the archive, newest first, before a position (the keyset
 -- cursor; the caller passes the largest integer for "from the end"): a
