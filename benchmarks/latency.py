@@ -28,7 +28,9 @@ real workers on a fresh database.
    default feed and with YUXI_SSE_FEED_EVENTS=0 (each subscriber reads the
    table itself), each with the turns back to back and with a turn every
    --interval s (1); a run ends when no byte arrived for 2 s. Also the API
-   process's CPU over the run per frame delivered.
+   process's CPU over the run per frame delivered, and first the floor: a
+   bare asyncio loop's pass writing one chunk to each of --subscribers
+   loopback sockets (`write_floor`), which no delivery can beat.
 
 Services: the API (uvicorn) and 2 `procrastinate worker` processes (worker
 concurrency 8) as benchmarks.run starts them, restarted on a fresh database
@@ -490,8 +492,70 @@ def _trace_summary(path: Path) -> str:
         for name, v in parts.items())
 
 
+# The receiving end of write_floor: a process of its own that connects n
+# sockets to the port and reads whatever arrives until they close.
+_FLOOR_READER = """
+import selectors, socket, sys
+port, n = int(sys.argv[1]), int(sys.argv[2])
+sel = selectors.DefaultSelector()
+for _ in range(n):
+    s = socket.create_connection(("127.0.0.1", port))
+    s.setblocking(False)
+    sel.register(s, selectors.EVENT_READ)
+while sel.get_map():
+    for key, _ in sel.select():
+        if not key.fileobj.recv(65536):
+            sel.unregister(key.fileobj)
+"""
+
+
+async def write_floor(n: int, rounds: int = 30, size: int = 400) -> tuple[float, float]:
+    """The floor of one SSE delivery pass on this machine: a bare asyncio
+    loop writing `size` bytes to each of `n` loopback sockets whose reader
+    is another process, `rounds` times 50 ms apart (as frames come, with
+    the reader idle in between). Returns (p50, p90) of a pass, in ms. A
+    write on loopback does the receiver's TCP work and wakes it: its cost
+    is the kernel's, and it varied 2x between days on this machine (7.8 µs
+    a write, then 17), so the SSE delays are read against it."""
+    loop = asyncio.get_running_loop()
+    accepted: asyncio.Queue[asyncio.Transport] = asyncio.Queue()
+
+    class Sink(asyncio.Protocol):
+        def connection_made(self, transport: Any) -> None:
+            accepted.put_nowait(transport)
+
+    server = await loop.create_server(Sink, "127.0.0.1", 0, backlog=n)
+    port = server.sockets[0].getsockname()[1]
+    reader = await asyncio.create_subprocess_exec(sys.executable, "-c", _FLOOR_READER,
+                                                  str(port), str(n))
+    try:
+        transports = [await asyncio.wait_for(accepted.get(), 30) for _ in range(n)]
+        data = b"x" * size
+        passes = []
+        for _ in range(rounds):
+            began = time.perf_counter()
+            for t in transports:
+                t.write(data)
+            passes.append((time.perf_counter() - began) * 1000)
+            await asyncio.sleep(0.05)
+        for t in transports:
+            t.close()
+        await asyncio.wait_for(reader.wait(), 10)
+    finally:
+        if reader.returncode is None:
+            reader.kill()
+            await reader.wait()
+        server.close()
+    return pct(passes, 0.5), pct(passes, 0.9)
+
+
 async def scenario_sse(args: Any, log_dir: Path) -> list[str]:
-    lines = []
+    p50, p90 = await write_floor(args.subscribers)
+    lines = [f"SSE floor (this machine now): a bare asyncio loop writes 400 bytes to each of "
+             f"{args.subscribers} loopback sockets in p50 {p50:.1f} ms, p90 {p90:.1f} ms "
+             f"({p50 / args.subscribers * 1000:.1f} µs a write): one delivery pass to all "
+             f"subscribers cannot take less"]
+    print(lines[0], flush=True)
     for interval in (0.0, args.interval):
         lines.append(await sse_run(args, log_dir, "default feed", {}, interval))
         if not args.sse_feed_only:
