@@ -380,3 +380,35 @@ async def test_a_run_counts_toward_the_worker_that_leases_it(db_url, pool, check
     assert ex.listener.claimer is None
     assert await executor(pool, checkpoint_pool).execute(run) == "completed"
     assert await scalar(pool, "SELECT claimer FROM yuxi.runs WHERE id = %s", (run,)) is None
+
+
+LISTENERS = """SELECT count(*) FROM pg_stat_activity
+                WHERE datname = current_database() AND pid <> pg_backend_pid()
+                  AND query ILIKE 'LISTEN%%'"""
+
+
+async def test_closed_claims_leave_no_listening_connection(pool, checkpoint_pool):
+    # A worker that stops claiming with no turn watched keeps no LISTEN
+    # connection: one made again at once outlived the worker (a test's
+    # database could not be dropped while it connected).
+    ex = executor(pool, checkpoint_pool)
+    ex.claims(("runs",))
+    assert await ex.listener.ready()
+    assert await scalar(pool, LISTENERS) == 1
+    await ex.close_claims()
+    assert await scalar(pool, LISTENERS) == 0
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.claimers_v1()") == 0
+
+
+async def test_closed_claims_keep_listening_for_a_watched_turn_s_cancel(pool, checkpoint_pool):
+    # Negative case: a real model's call in flight still hears its turn's
+    # cancel, on a connection made again without the claims.
+    ex = executor(pool, checkpoint_pool)
+    ex.claims(("runs",))
+    assert await ex.listener.ready()
+    with ex.listener.watch(uuid.uuid4()):
+        await ex.close_claims()
+        assert await ex.listener.ready()
+        assert await scalar(pool, LISTENERS) == 1
+        assert await scalar(pool, "SELECT count(*) FROM yuxi.claimers_v1()") == 0
+    await asyncio.gather(ex.listener.stop_claiming(), return_exceptions=True)

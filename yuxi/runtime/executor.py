@@ -554,16 +554,19 @@ class RunExecutor:
         if outcome != "skipped":
             log.info("run %s (claimed): %s", run_id, outcome)
 
-    def stop_claims(self) -> None:
+    def stop_claims(self) -> asyncio.Task | None:
+        """Claim no more; returns the claims' listening task, cancelled."""
         self.stopping = True  # the runs in flight finish; chains are bounded
-        self.listener.stop_claiming()
+        return self.listener.stop_claiming()
 
     async def close_claims(self) -> None:
         """Claim no more, and let the claimed runs in flight finish (as a
         stopping worker's jobs do; a run cut off by a kill is recovered when
-        its lease expires)."""
-        self.stop_claims()
-        await asyncio.gather(*self._claims, return_exceptions=True)
+        its lease expires). The claims' LISTEN connection is closed on
+        return."""
+        stopped = self.stop_claims()
+        await asyncio.gather(*self._claims, *([stopped] if stopped else []),
+                             return_exceptions=True)
 
     async def execute(self, run_id: uuid.UUID, *, job_id: int | None = None,
                       session_id: uuid.UUID | None = None) -> str:

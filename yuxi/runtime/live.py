@@ -129,15 +129,22 @@ class WorkerListener:
         self.claimer_host: str | None = None
         self.pid: int | None = None  # this listener's backend
 
-    def stop_claiming(self) -> None:
+    def stop_claiming(self) -> asyncio.Task | None:
         """Hear no more ready runs, and leave the claimers' set at once (a
         claimer that stays listed would be picked for runs it no longer
-        claims): the connection is made again, listening to cancels only."""
+        claims). The connection is made again, listening to cancels only,
+        while a turn is watched; else the next watched turn makes it.
+        Returns the cancelled listening task (awaited, its connection is
+        closed), or None."""
         self.on_ready, self.claimer_host = None, None
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
-            self._ready.clear()
-            self._task = asyncio.create_task(self._listen_forever(), name="yuxi-cancel-watch")
+        if self._task is None or self._task.done():
+            return None
+        stopped = self._task
+        stopped.cancel()
+        self._ready.clear()
+        self._task = (asyncio.create_task(self._listen_forever(), name="yuxi-cancel-watch")
+                      if self._turns else None)
+        return stopped
 
     @property
     def claimer(self) -> int | None:
