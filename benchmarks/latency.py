@@ -509,7 +509,10 @@ while sel.get_map():
 """
 
 
-async def write_floor(n: int, rounds: int = 30, size: int = 400) -> tuple[float, float]:
+FLOOR_BYTES = 400  # about one event's SSE frame
+
+
+async def write_floor(n: int, rounds: int = 30, size: int = FLOOR_BYTES) -> tuple[float, float]:
     """The floor of one SSE delivery pass on this machine: a bare asyncio
     loop writing `size` bytes to each of `n` loopback sockets whose reader
     is another process, `rounds` times 50 ms apart (as frames come, with
@@ -551,7 +554,7 @@ async def write_floor(n: int, rounds: int = 30, size: int = 400) -> tuple[float,
 
 async def scenario_sse(args: Any, log_dir: Path) -> list[str]:
     p50, p90 = await write_floor(args.subscribers)
-    lines = [f"SSE floor (this machine now): a bare asyncio loop writes 400 bytes to each of "
+    lines = [f"SSE floor (this machine now): a bare asyncio loop writes {FLOOR_BYTES} bytes to each of "
              f"{args.subscribers} loopback sockets in p50 {p50:.1f} ms, p90 {p90:.1f} ms "
              f"({p50 / args.subscribers * 1000:.1f} µs a write): one delivery pass to all "
              f"subscribers cannot take less"]

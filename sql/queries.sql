@@ -166,6 +166,11 @@ SELECT yuxi.emit_run_events_v1(%(run_id)s, %(token)s, %(type)s, %(events)s);
 -- name: emit_run_event
 SELECT yuxi.emit_run_event_v1(%(run_id)s, %(token)s, %(type)s, %(data)s, %(dedupe_key)s) AS seq;
 
+-- The archive's arrays (here and in archive_conversation) are sent in
+-- binary (their placeholders end in b): psycopg sends a Python list with
+-- its text array dumper otherwise, each message's bytes hex-escaped in
+-- Python and parsed back on the server (131 messages of 400 bytes: 4.7 ms
+-- a statement, 0.7 in binary).
 -- name: complete_run
 SELECT c.outcome, (c.next_run).*
 FROM yuxi.complete_run_v1(%(run_id)s, %(token)s, %(output)s, %(delivered)s,
