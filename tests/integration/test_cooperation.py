@@ -338,3 +338,49 @@ async def test_resume_that_re_executes_sibling_calls_repeats_no_effect(
     tool_results = [m for m in history if m["role"] == "tool"]
     assert [m["name"] for m in tool_results] == ["create_session", "send_message", "wait_sessions"], history
     assert result.output["text"] == "messages=1"
+
+
+async def test_a_wait_met_while_it_suspends_goes_on_from_the_wait(
+        pool, checkpoint_pool, alice, monkeypatch):
+    """The child ends between the wait tool's read and the suspension, which
+    then answers 'ready': the run goes on from its wait (the tool answers
+    with the child's end), never from the turn's start, which would ask the
+    model again for what it already did."""
+    from tests.integration.helpers import executor, runs_with_status
+    from yuxi.runtime.replay import ReplayChatModel
+    from yuxi.services import runs
+
+    scope = alice[1]
+    root = await new_session(pool, scope, orchestrator(children=1))
+    receipt = await sessions.receive_input(pool, scope, root.id, content="orchestrate")
+    (root_run,) = await runs_with_status(pool, "ready")
+    steps: list[int] = []
+    original_generate = ReplayChatModel._agenerate
+
+    async def counted(self, messages, *args, **kwargs):
+        result = await original_generate(self, messages, *args, **kwargs)
+        if self.session.get("id") == str(root.id):
+            steps.append(result.generations[0].message.response_metadata["replay_step"])
+        return result
+
+    monkeypatch.setattr(ReplayChatModel, "_agenerate", counted)
+    original_suspend = runs.suspend
+    outcomes: list[str] = []
+
+    async def child_ends_first(*args, **kwargs):
+        for child_run in await runs_with_status(pool, "ready"):
+            assert await executor(pool, checkpoint_pool, continued_runs=0).execute(
+                child_run) == "completed"
+        outcome, following = await original_suspend(*args, **kwargs)
+        outcomes.append(outcome)
+        return outcome, following
+
+    monkeypatch.setattr(runs, "suspend", child_ends_first)
+    assert await executor(pool, checkpoint_pool, continued_runs=0).execute(
+        root_run) == "completed"
+    assert outcomes == ["ready"]
+    # Each step of the script once: create, wait, fetch, answer.
+    assert steps == [0, 1, 2, 3]
+    result = await sessions.get_result(pool, scope, receipt.turn_id)
+    assert result.output["text"] == "done job 0 at /root/w0"
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.sessions WHERE parent_id IS NOT NULL") == 1

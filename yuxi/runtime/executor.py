@@ -411,10 +411,11 @@ async def drive(graph: Any, cfg: dict[str, Any], run: dict[str, Any],
     turn's final answer and the steers its conversation holds; raises
     Suspended when a wait tool interrupted the graph."""
     first = input_message(run)
-    if run["attempt"] == 1 and not run.get("resume") and not extra:
-        # The first run of a turn: its input cannot be in the checkpoint yet
-        # (after a crash the turn goes on in a run with attempt > 1), so all
-        # the checkpoint holds is earlier turns'.
+    if run["attempt"] == 1 and not run.get("resume") and not extra and resume is None:
+        # The first run of a turn, at its start: its input cannot be in the
+        # checkpoint yet (after a crash the turn goes on in a run with
+        # attempt > 1), so all the checkpoint holds is earlier turns'. (A
+        # first run whose wait was met as it suspended goes on from the wait.)
         await conv.load(graph, await conv.earlier_messages(graph, cfg))
         values = await graph.ainvoke({"messages": [RESET, first]}, cfg, durability="sync")
     else:
