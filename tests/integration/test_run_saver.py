@@ -42,7 +42,9 @@ def writes(monkeypatch):
     original_with = RunSaver.write_with
 
     async def counted_with(self, query, params):
-        what = "tool.started" if "start_tool_calls" in query else "completion"
+        what = next(label for key, label in (
+            ("start_tool_calls", "tool.started"), ("suspend_run", "suspension"),
+            ("suspend_for_user", "user wait"), ("", "completion")) if key in query)
         made.append(f"{len(self._held)} with {what}")
         return await original_with(self, query, params)
 
@@ -619,3 +621,92 @@ async def test_later_reads_are_answered_from_the_first_each_with_its_own_copy(
     assert again.checkpoint["channel_versions"] == {"messages": "1"}
     assert again.checkpoint["versions_seen"] == {"model": {"messages": "1"}}
     assert again.checkpoint["channel_values"]["messages"][0].content == "hi"
+
+
+FAILS_AT_ONCE = {"model": "replay", "replay": {"default": [{"say": "{{ no_such_thing() }}"}]}}
+
+
+async def _failed_at_once(pool, checkpoint_pool, scope) -> list[str]:
+    session = await new_session(pool, scope, FAILS_AT_ONCE)
+    receipt = await sessions.receive_input(pool, scope, session.id, content="q")
+    (run_id,) = await runs_with_status(pool, "ready")
+    assert await executor(pool, checkpoint_pool).execute(run_id) == "failed"
+    assert (await sessions.get_turn(pool, scope, receipt.turn_id)).status == "failed"
+    return [(m["role"], m["content"]) for m in
+            await conversation.messages(checkpoint_pool, session.id)]
+
+
+async def test_a_turn_whose_model_fails_at_once_keeps_its_input(pool, checkpoint_pool, alice):
+    # The model fails within HOLD_SECONDS, while the turn's start is held:
+    # it is written before the turn fails, as it is when the model fails
+    # later, so the conversation holds the failed turn's input.
+    assert await _failed_at_once(pool, checkpoint_pool, alice[1]) == [("human", "q")]
+
+
+async def test_without_the_flush_a_turn_failing_at_once_leaves_no_input(
+        pool, checkpoint_pool, alice, monkeypatch):
+    async def nothing(self) -> None:
+        return None
+
+    monkeypatch.setattr(RunSaver, "write_held", nothing)
+    assert await _failed_at_once(pool, checkpoint_pool, alice[1]) == []
+
+
+WAITS_FOR_A_CHILD = {"model": "replay", "tools": ["cooperation"], "replay": {
+    "rules": [{"match": "^wake", "steps": [
+        {"call": [{"tool": "create_session", "args": {"name": "w", "task": "child"}}]},
+        {"call": [{"tool": "wait_inputs", "args": {
+            "input_ids": "{{ results|map(attribute='input_id')|list }}", "timeout_s": 60}}]},
+        {"say": "woke: {{ results[-1].inputs[0].status }}"}]}],
+    "default": [{"say": "child done"}]}}
+
+
+async def test_a_waits_interrupt_goes_with_the_suspension(pool, checkpoint_pool, alice, writes):
+    scope = alice[1]
+    session = await new_session(pool, scope, WAITS_FOR_A_CHILD)
+    await sessions.receive_input(pool, scope, session.id, content="wake")
+    (run_id,) = await runs_with_status(pool, "ready")
+    assert await executor(pool, checkpoint_pool, continued_runs=0).execute(run_id) \
+        == "suspended"
+    # The create's step with its tool.started | its result | the step that
+    # applied it (LangGraph's aput) | the model's writes and its step with
+    # the wait's tool.started | the wait's interrupt with the suspension (no
+    # write of its own before it).
+    assert writes == ["8 with tool.started", "1 of tasks", 1, "aput", "3 with tool.started",
+                      "1 with suspension"], writes
+
+
+async def test_a_run_cut_off_as_it_suspends_waits_again(pool, checkpoint_pool, alice,
+                                                       monkeypatch):
+    # The connection dies as the wait's interrupt and the suspension go out:
+    # neither is there; the next run of the turn calls the wait again (no
+    # effect is made twice) and suspends, and the child's end wakes it.
+    scope = alice[1]
+    session = await new_session(pool, scope, WAITS_FOR_A_CHILD)
+    receipt = await sessions.receive_input(pool, scope, session.id, content="wake")
+    (run_id,) = await runs_with_status(pool, "ready")
+    original = RunSaver.write_with
+
+    async def cut_off(self, query, params):
+        if "suspend_run" in query:
+            assert self._held  # the interrupt
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return await original(self, query, params)
+
+    monkeypatch.setattr(RunSaver, "write_with", cut_off)
+    assert await executor(pool, checkpoint_pool, continued_runs=0).execute(run_id) \
+        == "infra_fault"
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.waits") == 0
+    assert await scalar(pool, "SELECT count(*) FROM langgraph.checkpoint_writes "
+                              "WHERE thread_id = %s AND channel = '__interrupt__'",
+                        (str(session.id),)) == 0
+    monkeypatch.setattr(RunSaver, "write_with", original)
+    (retry,) = await runs.recover_expired(pool, max_attempts=3)
+    assert retry == run_id
+    ex = executor(pool, checkpoint_pool, continued_runs=0)
+    while ready := await runs_with_status(pool, "ready"):
+        for run in ready:
+            await ex.execute(run)
+    result = await sessions.get_result(pool, scope, receipt.turn_id)
+    assert (result.status, result.output["text"]) == ("completed", "woke: completed")
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.sessions WHERE parent_id IS NOT NULL") == 1

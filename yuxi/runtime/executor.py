@@ -11,6 +11,7 @@ from the last checkpoint.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -803,7 +804,7 @@ class RunExecutor:
                 ) from None
             except Suspended as stop:
                 if (ask := stop.user_request()) is not None:
-                    await runs.suspend_for_user(self.pool, run["id"], token, *ask)
+                    await runs.suspend_for_user(saver.conn, run["id"], token, *ask, saver=saver)
                     return "suspended", None
                 wait = stop.cooperation_wait()
                 # On the checkpoint connection, as a completion: the slot it
@@ -818,6 +819,16 @@ class RunExecutor:
                     return outcome, (following, next_token) if following else None
                 resume, extra = {"reason": outcome}, []  # ready or cycle: answer at once
                 continue
+            except Exception as exc:
+                # The run fails or is cancelled here: what is held was so (the
+                # turn's start, when the model failed at once) and is saved
+                # first, as a slower failure would have found it saved: the
+                # conversation holds the failed turn's input. (Not when the
+                # lease or the database is gone: as if the worker died.)
+                if not isinstance(exc, LeaseLost) and not is_connection_error(exc):
+                    with contextlib.suppress(Exception):
+                        await saver.write_held()
+                raise
             next_token = uuid.uuid4() if go_on else None
             type_, data, key = message_event(answer)
             # On the checkpoint connection: nothing else uses it now, and a

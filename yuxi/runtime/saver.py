@@ -20,7 +20,8 @@ from typing import Any, NamedTuple, TypeVar
 
 import psycopg
 from langgraph.checkpoint.base import (
-    WRITES_IDX_MAP, CheckpointTuple, copy_checkpoint, get_serializable_checkpoint_metadata)
+    INTERRUPT, WRITES_IDX_MAP, CheckpointTuple, copy_checkpoint,
+    get_serializable_checkpoint_metadata)
 from langgraph.checkpoint.postgres import _ainternal
 from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 from langgraph.checkpoint.serde.types import _DeltaSnapshot
@@ -167,7 +168,11 @@ class RunSaver(AsyncPostgresSaver):
       reporter sends through `write_with` before any tool runs (one round
       trip for the answer's event, its checkpoint and the calls' start; a
       tool's effect never comes before the step that asked for it is
-      saved).
+      saved);
+    - an interrupt (a wait tool, an approval, a question: each comes before
+      its tool's effect), with the run's suspension (`write_with`): nothing
+      runs after it but the suspension. A run cut off in between runs the
+      interrupted call again, which asks again.
 
     A held batch goes out without what its last checkpoint supersedes
     (`latest_only`): a one-step turn writes one checkpoint, not three.
@@ -176,9 +181,9 @@ class RunSaver(AsyncPostgresSaver):
     moment earlier: the next run of the turn starts from the checkpoint
     before (a turn whose input is not in the conversation starts again,
     `drive`; a model step not saved is made again). Writes of tool tasks
-    (which may run in parallel and have effects) and error or interrupt
-    writes go out at once, and anything else first sends what is held: the
-    rest is LangGraph's own."""
+    (which may run in parallel and have effects) and error writes go out at
+    once, and anything else first sends what is held: the rest is
+    LangGraph's own."""
 
     def __init__(self, conn: AsyncConnection, *, empty: bool = False,
                  latest: CheckpointTuple | None = None) -> None:
@@ -308,7 +313,7 @@ class RunSaver(AsyncPostgresSaver):
 
     async def write_held(self) -> None:
         """Write what is held now, and what goes along (the run ends before
-        the write it was held for: its turn fails at its step limit)."""
+        the write it was held for: its turn fails)."""
         await self._task_writes.settled()
         await self._write([])
 
@@ -384,6 +389,12 @@ class RunSaver(AsyncPostgresSaver):
             self._calling = task_path == MODEL_TASK and not self._ending
             self._held.append(self._writes_op(config, writes, task_id, task_path))
             self._held_id = checkpoint_id
+            return
+        if writes and all(w[0] == INTERRUPT for w in writes):
+            # A call that interrupted (before any effect): held for the run's
+            # suspension. (`_held_id` stays: the step's other calls' writes
+            # are not held with it, they go out at once and take it along.)
+            self._held.append(self._writes_op(config, writes, task_id, task_path))
             return
         # A tool task's writes go out at once, together with those of the
         # step's other tasks finishing meanwhile (one pipeline for a

@@ -208,11 +208,13 @@ async def suspend(
     return await _leaving(source, saver, "suspend_run", params)
 
 
-async def suspend_for_user(pool: AsyncConnectionPool, run_id: uuid.UUID, token: uuid.UUID,
-                           kind: str, request: dict[str, Any]) -> uuid.UUID:
-    async with pool.connection() as conn:
-        return (await db.fetch_one(conn, "suspend_for_user", {
-            "run_id": run_id, "token": token, "kind": kind, "request": Jsonb(request)}))["wait_id"]
+async def suspend_for_user(source: AsyncConnectionPool | AsyncConnection, run_id: uuid.UUID,
+                           token: uuid.UUID, kind: str, request: dict[str, Any], *,
+                           saver: Any = None) -> uuid.UUID:
+    """Suspend the run until its user answers (`saver`: the run's held
+    checkpoint writes, its interrupt, go out first, in the same transaction)."""
+    return (await fetch_one_after_held(source, saver, "suspend_for_user", {
+        "run_id": run_id, "token": token, "kind": kind, "request": Jsonb(request)}))["wait_id"]
 
 
 async def resume_wait(pool: AsyncConnectionPool, wait_id: uuid.UUID) -> uuid.UUID | None:
