@@ -10,8 +10,10 @@ real workers on a fresh database.
    all of them (`wait_inputs`) and answers. A tree has 4 slots, so the ideal
    is children x delay / 4. Elapsed = the root's input receipt
    (`yuxi.inputs.created_at`) to its `turn.completed` (`created_at`), both
-   the database's clock. Run twice (the first one warms the processes up);
-   target: elapsed <= 1.1 x ideal.
+   the database's clock. A warm-up fan-out, then --fanouts measured ones
+   (3) one after the other, each reported, and their median and range
+   (this machine's speed wanders between runs); target: elapsed <= 1.1 x
+   ideal.
 2. Wake: --waits root sessions, one after the other, each turn creating one
    child (a 200 ms step, so the parent has suspended by then) and waiting
    for it. Wake = the child's `turn.completed` to the parent's resumed
@@ -155,10 +157,12 @@ def fan_out_script(children: int, delay_ms: int) -> dict[str, Any]:
 async def scenario_fanout(args: Any, log_dir: Path) -> list[str]:
     ideal = args.children * args.delay_ms / 1000 / SLOTS
     lines = []
+    ratios: list[float] = []
+    attempts = ["warm-up", *(f"measured {k + 1} of {args.fanouts}" for k in range(args.fanouts))]
     async with services(args.database_url, log_dir, workers=args.workers) as (_base, _key, http):
         async with await psycopg.AsyncConnection.connect(args.database_url,
                                                          autocommit=True) as conn:
-            for attempt in ("warm-up", "measured"):
+            for attempt in attempts:
                 root = await new_session(http, fan_out_script(args.children, args.delay_ms),
                                          ["cooperation"])
                 receipt = await post(http, root["id"], "fan out")
@@ -184,6 +188,14 @@ async def scenario_fanout(args: Any, log_dir: Path) -> list[str]:
                         f"{done} children completed; root turn {status}; {parts}")
                 print(line, flush=True)
                 lines.append(line)
+                if attempt != "warm-up":
+                    ratios.append(elapsed / ideal)
+    if ratios:
+        line = (f"fan-out: {args.children} children x {args.delay_ms} ms on {SLOTS} slots, "
+                f"{len(ratios)} measured: ratio median {statistics.median(ratios):.2f}, range "
+                f"{min(ratios):.2f}-{max(ratios):.2f} (target <= 1.10)")
+        print(line, flush=True)
+        lines.append(line)
     return lines
 
 
@@ -613,6 +625,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scenarios", default="fanout,wake,sse")
     p.add_argument("--children", type=int, default=64)
+    p.add_argument("--fanouts", type=int, default=3,
+                   help="measured fan-outs after the warm-up one (default 3)")
     p.add_argument("--workers", type=int, default=2,
                    help="worker processes for the fan-out and wake scenarios (default 2)")
     p.add_argument("--delay-ms", type=int, default=200)
