@@ -3,18 +3,12 @@ writing straight into its subscribers' connections (fan-in).
 
 A TreeFeed reads the tree's new events once per wake-up (tree-wide, after
 its own high-water mark) into a window of the last YUXI_SSE_FEED_EVENTS
-events; its writer task hands each subscriber what follows its own cursor:
-the frames go to the subscriber's ASGI `send` right there. There is no task
-per subscriber on the hot path: at 500 subscribers a task wake-up, a queue
-and a sender task per subscriber and batch cost more than the frames (issue
-15). Subscribers with the same cursor and filter share one body (bytes
-encoded once per batch).
-
-A pass over the subscribers lets the event loop run every SLICE of them, so
-the next NOTIFY is read while the pass goes on: the subscribers the pass has
-not reached yet take those rows in the same write as the rest, the others
-in the next pass. A frame then waits at most about one pass after its read,
-not the rest of the pass in progress and then one of its own.
+events, then, in the same task, hands each subscriber what follows its own
+cursor: the frames go to the subscriber's ASGI `send` right there. There is
+no task per subscriber on the hot path: at 500 subscribers a task wake-up,
+a queue and a sender task per subscriber and batch cost more than the
+frames (issue 15). Subscribers with the same cursor and filter share one
+body (bytes encoded once per batch).
 
 The window is contiguous (events commit in sequence order under the tree row
 lock, so reading after the high-water mark never skips one), so a
@@ -52,9 +46,6 @@ from yuxi.errors import is_connection_error
 log = logging.getLogger(__name__)
 
 BATCH = 500
-# Subscribers written to between two turns of the event loop in a delivery
-# pass (~20 µs each): the feed's read of the next NOTIFY takes a few turns.
-SLICE = 8
 KEEPALIVE = ServerSentEventMessage(data=None, comment="keepalive").encode()
 CONNECTED = ServerSentEventMessage(data=None, comment="connected", retry=1000).encode()
 # YUXI_SSE_TRACE=1 logs, per feed read, where the milliseconds went: NOTIFY
@@ -390,12 +381,6 @@ class TreeFeed:
         self.high: int | None = None
         self.subscribers: dict[int, Subscriber] = {}
         self._task: asyncio.Task | None = None
-        # How many reads added rows (a pass's shared bodies hold while it
-        # stays the same), and the reader's wake-ups for the writer.
-        self.grown = 0
-        self._woken = asyncio.Event()
-        # YUXI_SSE_TRACE=1: (NOTIFY, awake, read, rows) of the reads a pass delivers.
-        self._reads: list[tuple[float, float, float, int]] = []
 
     def after(self, cursor: int) -> list[dict] | None:
         """The window's rows after `cursor`, or None when the window does not
@@ -408,42 +393,17 @@ class TreeFeed:
         return self.rows[bisect.bisect_right(self.seqs, cursor):]
 
     def _append(self, rows: list[dict]) -> None:
-        self.grown += 1
         self.rows.extend(rows)
         self.seqs.extend(r["seq"] for r in rows)
         self.high = rows[-1]["seq"]
         if len(self.rows) > 2 * self.capacity:  # trim in halves: amortized O(1)
             del self.rows[:-self.capacity], self.seqs[:-self.capacity]
 
-    async def _deliver_forever(self) -> None:
-        """The writer: a pass over the subscribers after each of the
-        reader's wake-ups (new rows, or subscribers reading the table to
-        poke)."""
-        while True:
-            await self._woken.wait()
-            self._woken.clear()  # before the pass: a read during it means one more
-            began = time.monotonic()
-            await self._deliver()
-            if TRACE and self._reads:
-                noted, woke, read, _ = self._reads[-1]
-                log.warning("sse trace: %d events, %d subscribers; NOTIFY->feed awake "
-                            "%.2f ms, read %.2f ms, delivery %.2f ms",
-                            sum(r[3] for r in self._reads),
-                            len(self.subscribers), (woke - noted) * 1000,
-                            (read - woke) * 1000, (time.monotonic() - began) * 1000)
-                self._reads.clear()
-
-    async def _deliver(self) -> None:
-        """Each subscriber takes what follows its cursor; one failing never
-        keeps the others from theirs. The loop runs every SLICE subscribers:
-        rows read meanwhile go to the ones this pass has not reached yet."""
+    def _deliver(self) -> None:
+        """Each subscriber takes what follows its cursor, in this task; one
+        failing never keeps the others from theirs."""
         shared: dict = {}
-        grown = self.grown
-        for i, sub in enumerate(list(self.subscribers.values())):
-            if i and not i % SLICE:
-                await asyncio.sleep(0)
-                if self.grown != grown:  # new rows: the shared bodies are stale
-                    shared, grown = {}, self.grown
+        for sub in list(self.subscribers.values()):
             try:
                 sub.offer(shared)
             except Exception:
@@ -468,15 +428,6 @@ class TreeFeed:
                     sub.delta(body)
 
     async def run(self) -> None:
-        """The reader, with the writer (`_deliver_forever`) beside it."""
-        writer = asyncio.create_task(self._deliver_forever(),
-                                     name=f"event-feed-writer-{self.tree_id}")
-        try:
-            await self._read_forever()
-        finally:
-            writer.cancel()
-
-    async def _read_forever(self) -> None:
         keepalive = self.feeds.settings.sse_keepalive_seconds
         # Keepalives: a scan every half period, so an idle stream gets one
         # after 1 to 1.5 periods.
@@ -503,10 +454,15 @@ class TreeFeed:
                         # read again when the hub wakes us (it does after a reconnect)
                     if rows:
                         self._append(rows)
-                        if TRACE:
-                            self._reads.append((self.hub.noted_at.get(self.tree_id, woke),
-                                                woke, time.monotonic(), len(rows)))
-                self._woken.set()  # the writer delivers (and pokes the table's readers)
+                read = time.monotonic()
+                self._deliver()
+                if TRACE and rows:
+                    done = time.monotonic()
+                    noted = self.hub.noted_at.get(self.tree_id, woke)
+                    log.warning("sse trace: %d events, %d subscribers; NOTIFY->feed awake "
+                                "%.2f ms, read %.2f ms, delivery %.2f ms", len(rows),
+                                len(self.subscribers), (woke - noted) * 1000,
+                                (read - woke) * 1000, (done - read) * 1000)
                 if rows and len(rows) == BATCH:
                     continue
                 while True:
