@@ -295,6 +295,22 @@ async def test_an_answer_with_tool_calls_is_saved_with_the_calls_start(
     # (That the answer's step commits with them: the cut-off test below.)
 
 
+def _cut_off_at(monkeypatch, fragment: str, held: bool = False):
+    """The connection dies as the saver's write_with of a query containing
+    `fragment` goes out (with what it holds, when `held`). Returns the
+    original method, to put back."""
+    original = RunSaver.write_with
+
+    async def cut_off(self, query, params):
+        if fragment in query:
+            assert self._held or not held
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return await original(self, query, params)
+
+    monkeypatch.setattr(RunSaver, "write_with", cut_off)
+    return original
+
+
 async def test_a_run_cut_off_as_its_calls_start_runs_no_tool(
         pool, checkpoint_pool, alice, monkeypatch):
     # The connection dies as the answer's step and the calls' start go out:
@@ -305,14 +321,7 @@ async def test_a_run_cut_off_as_its_calls_start_runs_no_tool(
     session = await new_session(pool, scope, TWO_ECHOES)
     receipt = await sessions.receive_input(pool, scope, session.id, content="q")
     (run_id,) = await runs_with_status(pool, "ready")
-    original = RunSaver.write_with
-
-    async def cut_off(self, query, params):
-        if "start_tool_calls" in query:
-            raise psycopg.OperationalError("server closed the connection unexpectedly")
-        return await original(self, query, params)
-
-    monkeypatch.setattr(RunSaver, "write_with", cut_off)
+    original = _cut_off_at(monkeypatch, "start_tool_calls")
     assert await executor(pool, checkpoint_pool).execute(run_id) == "infra_fault"
     assert echoed == []
     assert await conversation.messages(checkpoint_pool, session.id) == []
@@ -685,15 +694,7 @@ async def test_a_run_cut_off_as_it_suspends_waits_again(pool, checkpoint_pool, a
     session = await new_session(pool, scope, WAITS_FOR_A_CHILD)
     receipt = await sessions.receive_input(pool, scope, session.id, content="wake")
     (run_id,) = await runs_with_status(pool, "ready")
-    original = RunSaver.write_with
-
-    async def cut_off(self, query, params):
-        if "suspend_run" in query:
-            assert self._held  # the interrupt
-            raise psycopg.OperationalError("server closed the connection unexpectedly")
-        return await original(self, query, params)
-
-    monkeypatch.setattr(RunSaver, "write_with", cut_off)
+    original = _cut_off_at(monkeypatch, "suspend_run", held=True)
     assert await executor(pool, checkpoint_pool, continued_runs=0).execute(run_id) \
         == "infra_fault"
     assert await scalar(pool, "SELECT count(*) FROM yuxi.waits") == 0
