@@ -8,8 +8,10 @@ import uuid
 import psycopg
 import pytest
 
-from tests.integration.helpers import drain, new_session, rows, scalar, rewrite_function
-from yuxi.services import conversation, sessions
+from tests.integration.helpers import (
+    drain, executor, new_session, rows, runs_with_status, scalar, rewrite_function)
+from yuxi.runtime.replay import ReplayChatModel
+from yuxi.services import conversation, runs, sessions
 
 CHILD_STEP = {"say": "done {{ input }} at {{ session.path }}"}
 
@@ -346,10 +348,6 @@ async def test_a_wait_met_while_it_suspends_goes_on_from_the_wait(
     then answers 'ready': the run goes on from its wait (the tool answers
     with the child's end), never from the turn's start, which would ask the
     model again for what it already did."""
-    from tests.integration.helpers import executor, runs_with_status
-    from yuxi.runtime.replay import ReplayChatModel
-    from yuxi.services import runs
-
     scope = alice[1]
     root = await new_session(pool, scope, orchestrator(children=1))
     receipt = await sessions.receive_input(pool, scope, root.id, content="orchestrate")

@@ -19,8 +19,8 @@ from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 
 from tests.integration import gated
 from tests.integration.helpers import (
-    checkpoint_reads, executor, new_session, rewrite_function, rows, runs_with_status, say_agent, scalar,
-    spy_model_calls)
+    checkpoint_reads, drain, executor, new_session, rewrite_function, rows, runs_with_status,
+    say_agent, scalar, spy_model_calls)
 from yuxi.runtime import saver as saver_module
 from yuxi.runtime.saver import RunSaver
 from yuxi.services import conversation, runs, sessions
@@ -689,7 +689,7 @@ async def test_a_run_cut_off_as_it_suspends_waits_again(pool, checkpoint_pool, a
                                                        monkeypatch):
     # The connection dies as the wait's interrupt and the suspension go out:
     # neither is there; the next run of the turn calls the wait again (no
-    # effect is made twice) and suspends, and the child's end wakes it.
+    # effect is made twice), and the child's end answers it.
     scope = alice[1]
     session = await new_session(pool, scope, WAITS_FOR_A_CHILD)
     receipt = await sessions.receive_input(pool, scope, session.id, content="wake")
@@ -704,10 +704,7 @@ async def test_a_run_cut_off_as_it_suspends_waits_again(pool, checkpoint_pool, a
     monkeypatch.setattr(RunSaver, "write_with", original)
     (retry,) = await runs.recover_expired(pool, max_attempts=3)
     assert retry == run_id
-    ex = executor(pool, checkpoint_pool, continued_runs=0)
-    while ready := await runs_with_status(pool, "ready"):
-        for run in ready:
-            await ex.execute(run)
+    await drain(pool, checkpoint_pool, continued_runs=0)
     result = await sessions.get_result(pool, scope, receipt.turn_id)
     assert (result.status, result.output["text"]) == ("completed", "woke: completed")
     assert await scalar(pool, "SELECT count(*) FROM yuxi.sessions WHERE parent_id IS NOT NULL") == 1
