@@ -213,25 +213,61 @@ async def test_a_run_cut_off_before_its_held_input_is_written_starts_the_turn_ag
         (receipt.turn_id,))] == [1, 2]
 
 
-async def test_tool_writes_go_out_at_once(pool, checkpoint_pool, alice, writes):
-    # Tool calls may run in parallel and have effects: each one's writes are
-    # durable when it ends, never held for the step's checkpoint.
+async def test_calls_that_end_together_go_with_their_steps_checkpoint(
+        pool, checkpoint_pool, alice, writes):
+    # No call of the step runs once both echoes ended: their writes wait for
+    # the step's checkpoint, which LangGraph writes next, and go with it.
     scope = alice[1]
-    session = await new_session(pool, scope, {
-        "model": "replay", "tools": ["echo"], "replay": {"default": [
-            {"call": [{"tool": "echo", "args": {"text": "a"}},
-                      {"tool": "echo", "args": {"text": "b"}}]},
-            {"say": "done"}]}})
+    session = await new_session(pool, scope, TWO_ECHOES)
     await sessions.receive_input(pool, scope, session.id, content="q")
     (run_id,) = await runs_with_status(pool, "ready")
     assert await executor(pool, checkpoint_pool).execute(run_id) == "completed"
     # input + step 0 + model writes + step 1 (8 statements) with the calls'
-    # tool.started, before either runs | the writes of echo a and echo b,
-    # which ended together: one pipeline of 2 (a fan-out's results do not
-    # take a transaction each), before step 2 (LangGraph's aput) | model
-    # writes + step 3 with the completion.
-    assert writes == ["8 with tool.started", "2 of tasks", 2, "aput", "3 with completion"], \
-        writes
+    # tool.started, before either runs | the writes of echo a and echo b
+    # with step 2 (its blobs and checkpoint): one round trip for the tool
+    # step | model writes + step 3 with the completion.
+    assert writes == ["8 with tool.started", 4, "3 with completion"], writes
+    assert [(m["role"], m["content"]) for m in
+            await conversation.messages(checkpoint_pool, session.id)] == [
+        ("human", "q"), ("ai", ""), ("tool", '{"text":"a"}'), ("tool", '{"text":"b"}'),
+        ("ai", "done")]
+
+
+# A step whose echo ends while its wait still runs (the wait reads the
+# database before it interrupts; echo does not).
+ECHO_WHILE_WAITING = {"model": "replay", "tools": ["cooperation", "echo"], "replay": {
+    "rules": [{"match": "^wake", "steps": [
+        {"call": [{"tool": "create_session", "args": {"name": "w", "task": "child"}}]},
+        {"call": [{"tool": "echo", "args": {"text": "meanwhile"}},
+                  {"tool": "wait_inputs", "args": {
+                      "input_ids": "{{ results|map(attribute='input_id')|list }}",
+                      "timeout_s": 60}}]},
+        {"say": "woke"}]}],
+    "default": [{"say": "child done"}]}}
+
+
+async def test_a_call_ending_while_another_runs_is_written_at_once(
+        pool, checkpoint_pool, alice, writes):
+    # Tool calls may have effects and a later one may take long: the writes
+    # of one that ends while another of its step still runs are durable at
+    # once, never held for the step's checkpoint.
+    scope = alice[1]
+    session = await new_session(pool, scope, ECHO_WHILE_WAITING)
+    receipt = await sessions.receive_input(pool, scope, session.id, content="wake")
+    (run_id,) = await runs_with_status(pool, "ready")
+    assert await executor(pool, checkpoint_pool, continued_runs=0).execute(run_id) \
+        == "suspended"
+    # The create's step with its tool.started | its result with the step
+    # that applied it | the model's writes and step with the two calls'
+    # tool.started | echo's result, alone, while the wait runs | the wait's
+    # interrupt with the suspension.
+    assert writes == ["8 with tool.started", 3, "3 with tool.started", "1 of tasks", 1,
+                      "1 with suspension"], writes
+    await drain(pool, checkpoint_pool, continued_runs=0)
+    result = await sessions.get_result(pool, scope, receipt.turn_id)
+    assert (result.status, result.output["text"]) == ("completed", "woke")
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.events WHERE session_id = %s "
+                              "AND type = 'tool.finished'", (session.id,)) == 3
 
 
 async def test_the_last_checkpoint_commits_with_the_completion_or_not_at_all(
@@ -342,7 +378,8 @@ async def test_a_run_cut_off_as_its_calls_start_runs_no_tool(
 async def test_a_tools_finish_goes_with_its_result(pool, checkpoint_pool, alice,
                                                   monkeypatch, writes):
     # The calls' tool.finished events take no round trip of their own: they
-    # go with the tools' results (the saver's next write, "2 of tasks").
+    # go with the tools' results (the saver's next write, here with the
+    # step's checkpoint).
     from yuxi.runtime.executor import EventReporter
     own: list[int] = []
     original = EventReporter._finish_calls
@@ -358,7 +395,7 @@ async def test_a_tools_finish_goes_with_its_result(pool, checkpoint_pool, alice,
     (run_id,) = await runs_with_status(pool, "ready")
     assert await executor(pool, checkpoint_pool).execute(run_id) == "completed"
     assert own == []
-    assert writes == ["8 with tool.started", "2 of tasks", 2, "aput", "3 with completion"]
+    assert writes == ["8 with tool.started", 4, "3 with completion"]
     found = await rows(pool, "SELECT data->>'call_id' AS call, xmin::text AS tx "
                              "FROM yuxi.events WHERE session_id = %s AND type = 'tool.finished'",
                        (session.id,))
@@ -677,11 +714,11 @@ async def test_a_waits_interrupt_goes_with_the_suspension(pool, checkpoint_pool,
     (run_id,) = await runs_with_status(pool, "ready")
     assert await executor(pool, checkpoint_pool, continued_runs=0).execute(run_id) \
         == "suspended"
-    # The create's step with its tool.started | its result | the step that
-    # applied it (LangGraph's aput) | the model's writes and its step with
-    # the wait's tool.started | the wait's interrupt with the suspension (no
-    # write of its own before it).
-    assert writes == ["8 with tool.started", "1 of tasks", 1, "aput", "3 with tool.started",
+    # The create's step with its tool.started | its result with the step
+    # that applied it | the model's writes and its step with the wait's
+    # tool.started | the wait's interrupt with the suspension (no write of
+    # its own before it).
+    assert writes == ["8 with tool.started", 3, "3 with tool.started",
                       "1 with suspension"], writes
 
 
@@ -708,3 +745,100 @@ async def test_a_run_cut_off_as_it_suspends_waits_again(pool, checkpoint_pool, a
     result = await sessions.get_result(pool, scope, receipt.turn_id)
     assert (result.status, result.output["text"]) == ("completed", "woke: completed")
     assert await scalar(pool, "SELECT count(*) FROM yuxi.sessions WHERE parent_id IS NOT NULL") == 1
+
+
+async def test_a_run_cut_off_as_its_tool_step_is_saved_calls_again_without_a_second_effect(
+        pool, checkpoint_pool, alice, monkeypatch):
+    # The connection dies as the create's result and the step that applied
+    # it go out: neither is there, as if it died during the call; the next
+    # run calls create_session again, which finds its effect: one child.
+    scope = alice[1]
+    session = await new_session(pool, scope, WAITS_FOR_A_CHILD)
+    receipt = await sessions.receive_input(pool, scope, session.id, content="wake")
+    (run_id,) = await runs_with_status(pool, "ready")
+    original = RunSaver.aput
+
+    async def cut_off(self, *args, **kwargs):
+        if self._step_ended and self._held:  # a tool step's writes, held
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return await original(self, *args, **kwargs)
+
+    monkeypatch.setattr(RunSaver, "aput", cut_off)
+    assert await executor(pool, checkpoint_pool, continued_runs=0).execute(run_id) \
+        == "infra_fault"
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.sessions WHERE parent_id IS NOT NULL") \
+        == 1
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.events WHERE session_id = %s "
+                              "AND type = 'tool.finished'", (session.id,)) == 0
+    monkeypatch.setattr(RunSaver, "aput", original)
+    (retry,) = await runs.recover_expired(pool, max_attempts=3)
+    await drain(pool, checkpoint_pool, continued_runs=0)
+    result = await sessions.get_result(pool, scope, receipt.turn_id)
+    assert (result.status, result.output["text"]) == ("completed", "woke: completed")
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.sessions WHERE parent_id IS NOT NULL") \
+        == 1
+    assert await scalar(pool, "SELECT count(*) FROM yuxi.events WHERE session_id = %s "
+                              "AND type = 'tool.finished'", (session.id,)) == 2
+    assert [m["role"] for m in await conversation.messages(checkpoint_pool, session.id)] == [
+        "human", "ai", "tool", "ai", "tool", "ai"]
+
+
+async def test_a_resumed_runs_answer_goes_with_the_calls_start(pool, checkpoint_pool, alice,
+                                                              writes):
+    scope = alice[1]
+    session = await new_session(pool, scope, WAITS_FOR_A_CHILD)
+    receipt = await sessions.receive_input(pool, scope, session.id, content="wake")
+    (run_id,) = await runs_with_status(pool, "ready")
+    assert await executor(pool, checkpoint_pool, continued_runs=0).execute(run_id) \
+        == "suspended"
+    (child_run,) = await runs_with_status(pool, "ready")
+    assert await executor(pool, checkpoint_pool, continued_runs=0).execute(child_run) \
+        == "completed"
+    (resumed,) = await runs_with_status(pool, "ready")
+    writes.clear()
+    assert await executor(pool, checkpoint_pool, continued_runs=0).execute(resumed) \
+        == "completed"
+    # The answer to the interrupt with the wait's tool.started again | the
+    # wait's result with the step that applied it | the model's writes and
+    # its step with the completion: three round trips.
+    assert writes == ["1 with tool.started", 3, "3 with completion"], writes
+    result = await sessions.get_result(pool, scope, receipt.turn_id)
+    assert (result.status, result.output["text"]) == ("completed", "woke: completed")
+
+
+async def test_a_resumed_run_cut_off_as_its_answer_goes_out_is_resumed_again(
+        pool, checkpoint_pool, alice, monkeypatch):
+    # The connection dies as the answer to the interrupt and the wait's
+    # tool.started go out: neither is there; the next run of the turn gets
+    # the same answer (the run's resume) and the turn ends as it would have.
+    scope = alice[1]
+    session = await new_session(pool, scope, WAITS_FOR_A_CHILD)
+    receipt = await sessions.receive_input(pool, scope, session.id, content="wake")
+    (run_id,) = await runs_with_status(pool, "ready")
+    assert await executor(pool, checkpoint_pool, continued_runs=0).execute(run_id) \
+        == "suspended"
+    (child_run,) = await runs_with_status(pool, "ready")
+    assert await executor(pool, checkpoint_pool, continued_runs=0).execute(child_run) \
+        == "completed"
+    (resumed,) = await runs_with_status(pool, "ready")
+    original = RunSaver.write_with
+
+    async def cut_off(self, query, params):
+        if "start_tool_calls" in query:
+            assert self._held
+            await self.conn.close()  # no later write gets through either
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return await original(self, query, params)
+
+    monkeypatch.setattr(RunSaver, "write_with", cut_off)
+    assert await executor(pool, checkpoint_pool, continued_runs=0).execute(resumed) \
+        == "infra_fault"
+    assert await scalar(pool, "SELECT count(*) FROM langgraph.checkpoint_writes "
+                              "WHERE thread_id = %s AND channel = '__resume__'",
+                        (str(session.id),)) == 0
+    monkeypatch.setattr(RunSaver, "write_with", original)
+    (retry,) = await runs.recover_expired(pool, max_attempts=3)
+    assert retry == resumed
+    await drain(pool, checkpoint_pool, continued_runs=0)
+    result = await sessions.get_result(pool, scope, receipt.turn_id)
+    assert (result.status, result.output["text"]) == ("completed", "woke: completed")

@@ -73,6 +73,9 @@ class EventReporter:
         self.saver = saver
         # Ended calls whose tool.finished waits for the saver's next write.
         self._finished: list[tuple[dict[str, Any], str]] = []
+        # Calls started and not ended: a step's calls all start before any
+        # of them runs (group commit), so the one ending at 0 is its last.
+        self._running = 0
         self._starts = GroupCommit(self._start_calls)
         self._finishes = GroupCommit(self._finish_calls)
 
@@ -108,10 +111,22 @@ class EventReporter:
         """The call's `tool.started`, or TurnCancelled when a cancel intent
         was committed (checked before each tool call, in the same statement;
         a step's parallel calls go in one: yuxi.runtime.group_commit)."""
-        if not await self._starts.submit(call):
+        self._running += 1
+        try:
+            started = await self._starts.submit(call)
+        except BaseException:
+            self._running -= 1
+            raise
+        if not started:
+            self._running -= 1
             raise TurnCancelled(f"turn {self.turn_id} was cancelled")
 
     async def tool_finished(self, call: dict[str, Any], result: str) -> None:
+        self._running -= 1
+        if self._running == 0 and self.saver is not None:
+            # Nothing of the step runs any more: this call's result goes
+            # with the step's checkpoint (RunSaver.last_call_ended).
+            self.saver.last_call_ended()
         if self.saver is None:
             await self._finishes.submit((call, result))
             return

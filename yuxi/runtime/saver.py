@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import psycopg
 from langgraph.checkpoint.base import (
-    INTERRUPT, WRITES_IDX_MAP, CheckpointTuple, copy_checkpoint,
+    INTERRUPT, RESUME, WRITES_IDX_MAP, CheckpointTuple, copy_checkpoint,
     get_serializable_checkpoint_metadata)
 from langgraph.checkpoint.postgres import _ainternal
 from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
@@ -172,7 +172,14 @@ class RunSaver(AsyncPostgresSaver):
     - an interrupt (a wait tool, an approval, a question: each comes before
       its tool's effect), with the run's suspension (`write_with`): nothing
       runs after it but the suspension. A run cut off in between runs the
-      interrupted call again, which asks again.
+      interrupted call again, which asks again;
+    - a resumed run's answer to its interrupt, with the interrupted call's
+      `tool.started` (`write_with`): the call starts again before any
+      effect. A run cut off in between is resumed with the same answer;
+    - the writes of a step's last running tool call (`last_call_ended`),
+      with the step's checkpoint: no call of the step runs any more, and
+      the checkpoint is the next thing LangGraph writes. A run cut off in
+      between calls it again, as if cut off during the call.
 
     A held batch goes out without what its last checkpoint supersedes
     (`latest_only`): a one-step turn writes one checkpoint, not three.
@@ -180,8 +187,9 @@ class RunSaver(AsyncPostgresSaver):
     A worker that dies in between has written neither, as if it died a
     moment earlier: the next run of the turn starts from the checkpoint
     before (a turn whose input is not in the conversation starts again,
-    `drive`; a model step not saved is made again). Writes of tool tasks
-    (which may run in parallel and have effects) and error writes go out at
+    `drive`; a model step not saved is made again). The writes of a tool
+    call that ends while others of its step still run (each may have
+    effects, and a later one may take long) and error writes go out at
     once, and anything else first sends what is held: the rest is
     LangGraph's own."""
 
@@ -220,6 +228,9 @@ class RunSaver(AsyncPostgresSaver):
         # (`along`: an answer's event with its step, a step's tool.finished
         # events with the tools' writes).
         self._along: list[Callable[[], tuple[str, Any] | None]] = []
+        # No tool call of the step runs any more (`last_call_ended`): its
+        # calls' writes wait for its checkpoint.
+        self._step_ended = False
 
     def _checkpoint_ops(self, config, checkpoint, metadata, new_versions):
         # The statements of AsyncPostgresSaver.aput (langgraph-checkpoint-postgres 3.x).
@@ -346,6 +357,7 @@ class RunSaver(AsyncPostgresSaver):
     async def aput(self, config, checkpoint, metadata, new_versions):
         await self._task_writes.settled()  # a step's checkpoint after its tasks' writes
         self._writing()
+        self._step_ended = False
         self._put = (config, checkpoint, metadata)
         if (metadata or {}).get("source") == "input" and not self._held:
             self._held = self._checkpoint_ops(config, checkpoint, metadata, new_versions)
@@ -396,10 +408,28 @@ class RunSaver(AsyncPostgresSaver):
             # are not held with it, they go out at once and take it along.)
             self._held.append(self._writes_op(config, writes, task_id, task_path))
             return
+        if writes and all(w[0] == RESUME for w in writes):
+            # A resumed run's answer: held for the interrupted call's
+            # tool.started, the run's next write (nothing runs before it).
+            self._held.append(self._writes_op(config, writes, task_id, task_path))
+            return
+        if self._step_ended and task_path != MODEL_TASK \
+                and not any(w[0] in WRITES_IDX_MAP for w in writes):
+            # No call of the step runs any more: held for the step's
+            # checkpoint, which LangGraph writes next (aput takes it along).
+            self._held.append(self._writes_op(config, writes, task_id, task_path))
+            return
         # A tool task's writes go out at once, together with those of the
         # step's other tasks finishing meanwhile (one pipeline for a
         # fan-out's results, not one transaction each), after what is held.
         await self._task_writes.submit(self._writes_op(config, writes, task_id, task_path))
+
+    def last_call_ended(self) -> None:
+        """The run's reporter: a tool call ended and no other call of its
+        step still runs. The writes of the calls that ended with it (not in
+        a batch yet) and its own are held for the step's checkpoint."""
+        self._step_ended = True
+        self._held += self._task_writes.withdraw(None)
 
     def _writes_op(self, config, writes, task_id, task_path) -> Op:
         # The statement of AsyncPostgresSaver.aput_writes.
