@@ -592,10 +592,33 @@ def machine_speed() -> float:
     return time.perf_counter() - began
 
 
+async def round_trips(url: str, n: int = 200) -> str:
+    """`SELECT 1` round trips to the server, back to back and with 5 ms of
+    idleness before each: what waking an idle process costs on this machine
+    (a VM whose idle vCPUs halt pays it at every wake-up; the runs above
+    wait on a model's 200 ms, on a lock or on a client between steps)."""
+    # The server's own database: the bench's is created by each scenario.
+    conninfo = psycopg.conninfo.make_conninfo(url, dbname="postgres")
+    async with await psycopg.AsyncConnection.connect(conninfo, autocommit=True) as conn:
+        figures = []
+        for idle in (0.0, 0.005):
+            times = []
+            for _ in range(n):
+                if idle:
+                    await asyncio.sleep(idle)
+                began = time.perf_counter()
+                await conn.execute("SELECT 1")
+                times.append((time.perf_counter() - began) * 1000)
+            figures.append(statistics.median(times))
+    return (f"a SELECT 1 round trip p50 {figures[0]:.3f} ms back to back, "
+            f"{figures[1]:.3f} ms after 5 ms idle")
+
+
 async def main_async(args: Any) -> None:
     scenarios = {"fanout": scenario_fanout, "wake": scenario_wake, "sse": scenario_sse}
     lines: list[str] = []
     speed = [machine_speed()]
+    trips = await round_trips(args.database_url)
     with tempfile.TemporaryDirectory(prefix="yuxi-latency-") as tmp:
         async with bench.exclusive(args.database_url):
             for name in args.scenarios.split(","):
@@ -615,7 +638,7 @@ async def main_async(args: Any) -> None:
     for line in lines:
         print("  " + line.splitlines()[0])
     print(f"  machine: a 10-million-step Python loop took {speed[0]:.2f} s at the start, "
-          f"{speed[1]:.2f} s at the end")
+          f"{speed[1]:.2f} s at the end; {trips}")
 
 
 def main(argv: list[str] | None = None) -> int:
