@@ -261,7 +261,12 @@ class Bubblewrap:
                     return await asyncio.open_unix_connection(address, limit=MAX_REPLY)
             except (FileNotFoundError, ConnectionRefusedError):
                 if attempt:
-                    raise unavailable("the sandbox agent does not answer") from None
+                    # What the holder said as it went (bwrap, the agent).
+                    log_path = path.parent / "holder.log"
+                    why = (log_path.read_text(errors="replace").strip()[-500:]
+                           if log_path.exists() else "")
+                    raise unavailable("the sandbox agent does not answer"
+                                      + (f": {why}" if why else "")) from None
             for pid, what in await asyncio.to_thread(self._start_holder, box):
                 await record(pid, what)
         raise AssertionError("unreachable")
