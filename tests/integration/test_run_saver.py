@@ -252,11 +252,7 @@ async def test_a_call_ending_while_another_runs_is_written_at_once(
     # of one that ends while another of its step still runs are durable at
     # once, never held for the step's checkpoint.
     scope = alice[1]
-    session = await new_session(pool, scope, ECHO_WHILE_WAITING)
-    receipt = await sessions.receive_input(pool, scope, session.id, content="wake")
-    (run_id,) = await runs_with_status(pool, "ready")
-    assert await executor(pool, checkpoint_pool, continued_runs=0).execute(run_id) \
-        == "suspended"
+    session, receipt = await _waiting_parent(pool, checkpoint_pool, scope, ECHO_WHILE_WAITING)
     # The create's step with its tool.started | its result with the step
     # that applied it | the model's writes and step with the two calls'
     # tool.started | echo's result, alone, while the wait runs | the wait's
@@ -707,13 +703,47 @@ WAITS_FOR_A_CHILD = {"model": "replay", "tools": ["cooperation"], "replay": {
     "default": [{"say": "child done"}]}}
 
 
-async def test_a_waits_interrupt_goes_with_the_suspension(pool, checkpoint_pool, alice, writes):
-    scope = alice[1]
-    session = await new_session(pool, scope, WAITS_FOR_A_CHILD)
-    await sessions.receive_input(pool, scope, session.id, content="wake")
+async def _waiting_parent(pool, checkpoint_pool, scope, config=WAITS_FOR_A_CHILD):
+    """A parent's turn (`config`'s "wake" rule) suspended on its child's
+    input; the child's run is ready."""
+    session = await new_session(pool, scope, config)
+    receipt = await sessions.receive_input(pool, scope, session.id, content="wake")
     (run_id,) = await runs_with_status(pool, "ready")
     assert await executor(pool, checkpoint_pool, continued_runs=0).execute(run_id) \
         == "suspended"
+    return session, receipt
+
+
+async def _resumed_parent(pool, checkpoint_pool, scope):
+    """A waiting parent (`_waiting_parent`) whose child's turn completed:
+    the parent's resumed run is ready (returned third)."""
+    session, receipt = await _waiting_parent(pool, checkpoint_pool, scope)
+    (child_run,) = await runs_with_status(pool, "ready")
+    assert await executor(pool, checkpoint_pool, continued_runs=0).execute(child_run) \
+        == "completed"
+    (resumed,) = await runs_with_status(pool, "ready")
+    return session, receipt, resumed
+
+
+async def _woken_after_recovery(pool, checkpoint_pool, scope, receipt, run_id):
+    """The cut-off run `run_id` recovered (the fault report expired its
+    lease), and the turn ends as it would have without the cut."""
+    (retry,) = await runs.recover_expired(pool, max_attempts=3)
+    assert retry == run_id
+    await drain(pool, checkpoint_pool, continued_runs=0)
+    result = await sessions.get_result(pool, scope, receipt.turn_id)
+    assert (result.status, result.output["text"]) == ("completed", "woke: completed")
+
+
+async def _saved_on(pool, session, channel: str) -> int:
+    """How many checkpoint writes of `session`'s thread are on `channel`."""
+    return await scalar(pool, "SELECT count(*) FROM langgraph.checkpoint_writes "
+                              "WHERE thread_id = %s AND channel = %s",
+                        (str(session.id), channel))
+
+
+async def test_a_waits_interrupt_goes_with_the_suspension(pool, checkpoint_pool, alice, writes):
+    await _waiting_parent(pool, checkpoint_pool, alice[1])
     # The create's step with its tool.started | its result with the step
     # that applied it | the model's writes and its step with the wait's
     # tool.started | the wait's interrupt with the suspension (no write of
@@ -735,15 +765,9 @@ async def test_a_run_cut_off_as_it_suspends_waits_again(pool, checkpoint_pool, a
     assert await executor(pool, checkpoint_pool, continued_runs=0).execute(run_id) \
         == "infra_fault"
     assert await scalar(pool, "SELECT count(*) FROM yuxi.waits") == 0
-    assert await scalar(pool, "SELECT count(*) FROM langgraph.checkpoint_writes "
-                              "WHERE thread_id = %s AND channel = '__interrupt__'",
-                        (str(session.id),)) == 0
+    assert await _saved_on(pool, session, "__interrupt__") == 0
     monkeypatch.setattr(RunSaver, "write_with", original)
-    (retry,) = await runs.recover_expired(pool, max_attempts=3)
-    assert retry == run_id
-    await drain(pool, checkpoint_pool, continued_runs=0)
-    result = await sessions.get_result(pool, scope, receipt.turn_id)
-    assert (result.status, result.output["text"]) == ("completed", "woke: completed")
+    await _woken_after_recovery(pool, checkpoint_pool, scope, receipt, run_id)
     assert await scalar(pool, "SELECT count(*) FROM yuxi.sessions WHERE parent_id IS NOT NULL") == 1
 
 
@@ -771,10 +795,7 @@ async def test_a_run_cut_off_as_its_tool_step_is_saved_calls_again_without_a_sec
     assert await scalar(pool, "SELECT count(*) FROM yuxi.events WHERE session_id = %s "
                               "AND type = 'tool.finished'", (session.id,)) == 0
     monkeypatch.setattr(RunSaver, "aput", original)
-    (retry,) = await runs.recover_expired(pool, max_attempts=3)
-    await drain(pool, checkpoint_pool, continued_runs=0)
-    result = await sessions.get_result(pool, scope, receipt.turn_id)
-    assert (result.status, result.output["text"]) == ("completed", "woke: completed")
+    await _woken_after_recovery(pool, checkpoint_pool, scope, receipt, run_id)
     assert await scalar(pool, "SELECT count(*) FROM yuxi.sessions WHERE parent_id IS NOT NULL") \
         == 1
     assert await scalar(pool, "SELECT count(*) FROM yuxi.events WHERE session_id = %s "
@@ -786,15 +807,7 @@ async def test_a_run_cut_off_as_its_tool_step_is_saved_calls_again_without_a_sec
 async def test_a_resumed_runs_answer_goes_with_the_calls_start(pool, checkpoint_pool, alice,
                                                               writes):
     scope = alice[1]
-    session = await new_session(pool, scope, WAITS_FOR_A_CHILD)
-    receipt = await sessions.receive_input(pool, scope, session.id, content="wake")
-    (run_id,) = await runs_with_status(pool, "ready")
-    assert await executor(pool, checkpoint_pool, continued_runs=0).execute(run_id) \
-        == "suspended"
-    (child_run,) = await runs_with_status(pool, "ready")
-    assert await executor(pool, checkpoint_pool, continued_runs=0).execute(child_run) \
-        == "completed"
-    (resumed,) = await runs_with_status(pool, "ready")
+    session, receipt, resumed = await _resumed_parent(pool, checkpoint_pool, scope)
     writes.clear()
     assert await executor(pool, checkpoint_pool, continued_runs=0).execute(resumed) \
         == "completed"
@@ -812,15 +825,7 @@ async def test_a_resumed_run_cut_off_as_its_answer_goes_out_is_resumed_again(
     # tool.started go out: neither is there; the next run of the turn gets
     # the same answer (the run's resume) and the turn ends as it would have.
     scope = alice[1]
-    session = await new_session(pool, scope, WAITS_FOR_A_CHILD)
-    receipt = await sessions.receive_input(pool, scope, session.id, content="wake")
-    (run_id,) = await runs_with_status(pool, "ready")
-    assert await executor(pool, checkpoint_pool, continued_runs=0).execute(run_id) \
-        == "suspended"
-    (child_run,) = await runs_with_status(pool, "ready")
-    assert await executor(pool, checkpoint_pool, continued_runs=0).execute(child_run) \
-        == "completed"
-    (resumed,) = await runs_with_status(pool, "ready")
+    session, receipt, resumed = await _resumed_parent(pool, checkpoint_pool, scope)
     original = RunSaver.write_with
 
     async def cut_off(self, query, params):
@@ -833,12 +838,6 @@ async def test_a_resumed_run_cut_off_as_its_answer_goes_out_is_resumed_again(
     monkeypatch.setattr(RunSaver, "write_with", cut_off)
     assert await executor(pool, checkpoint_pool, continued_runs=0).execute(resumed) \
         == "infra_fault"
-    assert await scalar(pool, "SELECT count(*) FROM langgraph.checkpoint_writes "
-                              "WHERE thread_id = %s AND channel = '__resume__'",
-                        (str(session.id),)) == 0
+    assert await _saved_on(pool, session, "__resume__") == 0
     monkeypatch.setattr(RunSaver, "write_with", original)
-    (retry,) = await runs.recover_expired(pool, max_attempts=3)
-    assert retry == resumed
-    await drain(pool, checkpoint_pool, continued_runs=0)
-    result = await sessions.get_result(pool, scope, receipt.turn_id)
-    assert (result.status, result.output["text"]) == ("completed", "woke: completed")
+    await _woken_after_recovery(pool, checkpoint_pool, scope, receipt, resumed)

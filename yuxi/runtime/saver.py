@@ -176,10 +176,11 @@ class RunSaver(AsyncPostgresSaver):
     - a resumed run's answer to its interrupt, with the interrupted call's
       `tool.started` (`write_with`): the call starts again before any
       effect. A run cut off in between is resumed with the same answer;
-    - the writes of a step's last running tool call (`last_call_ended`),
-      with the step's checkpoint: no call of the step runs any more, and
-      the checkpoint is the next thing LangGraph writes. A run cut off in
-      between calls it again, as if cut off during the call.
+    - the writes of a step's tool calls once none of them runs any more
+      (`last_call_ended`: the last one's, and those of the calls that ended
+      with it, not in a batch yet), with the step's checkpoint, the next
+      thing LangGraph writes. A run cut off in between calls them again,
+      as if cut off during the calls.
 
     A held batch goes out without what its last checkpoint supersedes
     (`latest_only`): a one-step turn writes one checkpoint, not three.
