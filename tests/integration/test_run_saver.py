@@ -262,8 +262,7 @@ async def test_a_call_ending_while_another_runs_is_written_at_once(
     await drain(pool, checkpoint_pool, continued_runs=0)
     result = await sessions.get_result(pool, scope, receipt.turn_id)
     assert (result.status, result.output["text"]) == ("completed", "woke")
-    assert await scalar(pool, "SELECT count(*) FROM yuxi.events WHERE session_id = %s "
-                              "AND type = 'tool.finished'", (session.id,)) == 3
+    assert await _tools_finished(pool, session) == 3
 
 
 async def test_the_last_checkpoint_commits_with_the_completion_or_not_at_all(
@@ -327,15 +326,18 @@ async def test_an_answer_with_tool_calls_is_saved_with_the_calls_start(
     # (That the answer's step commits with them: the cut-off test below.)
 
 
-def _cut_off_at(monkeypatch, fragment: str, held: bool = False):
+def _cut_off_at(monkeypatch, fragment: str, held: bool = False, close: bool = False):
     """The connection dies as the saver's write_with of a query containing
-    `fragment` goes out (with what it holds, when `held`). Returns the
-    original method, to put back."""
+    `fragment` goes out (with what it holds, when `held`; closed, when
+    `close`, so that no later write of the run gets through either).
+    Returns the original method, to put back."""
     original = RunSaver.write_with
 
     async def cut_off(self, query, params):
         if fragment in query:
             assert self._held or not held
+            if close:
+                await self.conn.close()
             raise psycopg.OperationalError("server closed the connection unexpectedly")
         return await original(self, query, params)
 
@@ -735,6 +737,15 @@ async def _woken_after_recovery(pool, checkpoint_pool, scope, receipt, run_id):
     assert (result.status, result.output["text"]) == ("completed", "woke: completed")
 
 
+async def _children(pool) -> int:
+    return await scalar(pool, "SELECT count(*) FROM yuxi.sessions WHERE parent_id IS NOT NULL")
+
+
+async def _tools_finished(pool, session) -> int:
+    return await scalar(pool, "SELECT count(*) FROM yuxi.events WHERE session_id = %s "
+                              "AND type = 'tool.finished'", (session.id,))
+
+
 async def _saved_on(pool, session, channel: str) -> int:
     """How many checkpoint writes of `session`'s thread are on `channel`."""
     return await scalar(pool, "SELECT count(*) FROM langgraph.checkpoint_writes "
@@ -768,7 +779,7 @@ async def test_a_run_cut_off_as_it_suspends_waits_again(pool, checkpoint_pool, a
     assert await _saved_on(pool, session, "__interrupt__") == 0
     monkeypatch.setattr(RunSaver, "write_with", original)
     await _woken_after_recovery(pool, checkpoint_pool, scope, receipt, run_id)
-    assert await scalar(pool, "SELECT count(*) FROM yuxi.sessions WHERE parent_id IS NOT NULL") == 1
+    assert await _children(pool) == 1
 
 
 async def test_a_run_cut_off_as_its_tool_step_is_saved_calls_again_without_a_second_effect(
@@ -790,16 +801,12 @@ async def test_a_run_cut_off_as_its_tool_step_is_saved_calls_again_without_a_sec
     monkeypatch.setattr(RunSaver, "aput", cut_off)
     assert await executor(pool, checkpoint_pool, continued_runs=0).execute(run_id) \
         == "infra_fault"
-    assert await scalar(pool, "SELECT count(*) FROM yuxi.sessions WHERE parent_id IS NOT NULL") \
-        == 1
-    assert await scalar(pool, "SELECT count(*) FROM yuxi.events WHERE session_id = %s "
-                              "AND type = 'tool.finished'", (session.id,)) == 0
+    assert await _children(pool) == 1
+    assert await _tools_finished(pool, session) == 0
     monkeypatch.setattr(RunSaver, "aput", original)
     await _woken_after_recovery(pool, checkpoint_pool, scope, receipt, run_id)
-    assert await scalar(pool, "SELECT count(*) FROM yuxi.sessions WHERE parent_id IS NOT NULL") \
-        == 1
-    assert await scalar(pool, "SELECT count(*) FROM yuxi.events WHERE session_id = %s "
-                              "AND type = 'tool.finished'", (session.id,)) == 2
+    assert await _children(pool) == 1
+    assert await _tools_finished(pool, session) == 2
     assert [m["role"] for m in await conversation.messages(checkpoint_pool, session.id)] == [
         "human", "ai", "tool", "ai", "tool", "ai"]
 
@@ -826,16 +833,7 @@ async def test_a_resumed_run_cut_off_as_its_answer_goes_out_is_resumed_again(
     # the same answer (the run's resume) and the turn ends as it would have.
     scope = alice[1]
     session, receipt, resumed = await _resumed_parent(pool, checkpoint_pool, scope)
-    original = RunSaver.write_with
-
-    async def cut_off(self, query, params):
-        if "start_tool_calls" in query:
-            assert self._held
-            await self.conn.close()  # no later write gets through either
-            raise psycopg.OperationalError("server closed the connection unexpectedly")
-        return await original(self, query, params)
-
-    monkeypatch.setattr(RunSaver, "write_with", cut_off)
+    original = _cut_off_at(monkeypatch, "start_tool_calls", held=True, close=True)
     assert await executor(pool, checkpoint_pool, continued_runs=0).execute(resumed) \
         == "infra_fault"
     assert await _saved_on(pool, session, "__resume__") == 0

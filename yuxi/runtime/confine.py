@@ -216,7 +216,7 @@ class Bubblewrap:
             with os.fdopen(info_r, "rb") as info:
                 raw = info.read()  # until bwrap closes it: the sandbox is set up
             if not raw:
-                why = (home / "holder.log").read_text(errors="replace").strip()[-500:]
+                why = _holder_log(home)
                 raise unavailable(f"bubblewrap could not create the sandbox: {why or 'no reason given'}")
             # The namespace's init leads a process group of its own: killing
             # it ends every process of the pid namespace (bwrap's outer
@@ -261,10 +261,7 @@ class Bubblewrap:
                     return await asyncio.open_unix_connection(address, limit=MAX_REPLY)
             except (FileNotFoundError, ConnectionRefusedError):
                 if attempt:
-                    # What the holder said as it went (bwrap, the agent).
-                    log_path = path.parent / "holder.log"
-                    why = (log_path.read_text(errors="replace").strip()[-500:]
-                           if log_path.exists() else "")
+                    why = _holder_log(path.parent)
                     raise unavailable("the sandbox agent does not answer"
                                       + (f": {why}" if why else "")) from None
             for pid, what in await asyncio.to_thread(self._start_holder, box):
@@ -301,6 +298,12 @@ class Bubblewrap:
         if "error" in answer:
             raise ToolError(answer["error"]["code"], answer["error"]["message"])
         return answer
+
+
+def _holder_log(home: Path) -> str:
+    """The end of what a generation's holder (bwrap, the agent) logged."""
+    log = home / "holder.log"
+    return log.read_text(errors="replace").strip()[-500:] if log.exists() else ""
 
 
 def _answers(path: Path) -> bool:

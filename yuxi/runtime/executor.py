@@ -113,23 +113,21 @@ class EventReporter:
         a step's parallel calls go in one: yuxi.runtime.group_commit)."""
         self._running += 1
         try:
-            started = await self._starts.submit(call)
+            if not await self._starts.submit(call):
+                raise TurnCancelled(f"turn {self.turn_id} was cancelled")
         except BaseException:
-            self._running -= 1
+            self._running -= 1  # the call does not run
             raise
-        if not started:
-            self._running -= 1
-            raise TurnCancelled(f"turn {self.turn_id} was cancelled")
 
     async def tool_finished(self, call: dict[str, Any], result: str) -> None:
         self._running -= 1
-        if self._running == 0 and self.saver is not None:
-            # Nothing of the step runs any more: this call's result goes
-            # with the step's checkpoint (RunSaver.last_call_ended).
-            self.saver.last_call_ended()
         if self.saver is None:
             await self._finishes.submit((call, result))
             return
+        if self._running == 0:
+            # Nothing of the step runs any more: this call's result goes
+            # with the step's checkpoint (RunSaver.last_call_ended).
+            self.saver.last_call_ended()
         # With the run's saver: the event goes with the tool's result, the
         # saver's next write (LangGraph saves the result at once, so no
         # later than that), in one transaction; the calls that end together

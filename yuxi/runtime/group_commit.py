@@ -45,15 +45,6 @@ class GroupCommit(Generic[T, R]):
         # sent, as a statement in flight would be.
         return await future
 
-    def withdraw(self, outcome: R) -> list[T]:
-        """Take back the items not in a batch yet: their callers return
-        `outcome` now, and the caller of `withdraw` writes them itself."""
-        taken = [(item, f) for item, f in self._pending if not f.done()]
-        self._pending.clear()
-        for _, f in taken:
-            f.set_result(outcome)
-        return [item for item, _ in taken]
-
     async def settled(self) -> None:
         """Return once nothing is pending or in flight (a write that must
         come after the submitted items waits for them)."""

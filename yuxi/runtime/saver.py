@@ -176,11 +176,11 @@ class RunSaver(AsyncPostgresSaver):
     - a resumed run's answer to its interrupt, with the interrupted call's
       `tool.started` (`write_with`): the call starts again before any
       effect. A run cut off in between is resumed with the same answer;
-    - the writes of a step's tool calls once none of them runs any more
-      (`last_call_ended`: the last one's, and those of the calls that ended
-      with it, not in a batch yet), with the step's checkpoint, the next
-      thing LangGraph writes. A run cut off in between calls them again,
-      as if cut off during the calls.
+    - the writes of a step's tool calls that arrive once none of them runs
+      any more (`last_call_ended`: the last one's, and those of the calls
+      that ended with it), with the step's checkpoint, the next thing
+      LangGraph writes. A run cut off in between calls them again, as if
+      cut off during the calls.
 
     A held batch goes out without what its last checkpoint supersedes
     (`latest_only`): a one-step turn writes one checkpoint, not three.
@@ -403,34 +403,36 @@ class RunSaver(AsyncPostgresSaver):
             self._held.append(self._writes_op(config, writes, task_id, task_path))
             self._held_id = checkpoint_id
             return
-        if writes and all(w[0] == INTERRUPT for w in writes):
-            # A call that interrupted (before any effect): held for the run's
-            # suspension. (`_held_id` stays: the step's other calls' writes
-            # are not held with it, they go out at once and take it along.)
-            self._held.append(self._writes_op(config, writes, task_id, task_path))
-            return
-        if writes and all(w[0] == RESUME for w in writes):
-            # A resumed run's answer: held for the interrupted call's
-            # tool.started, the run's next write (nothing runs before it).
-            self._held.append(self._writes_op(config, writes, task_id, task_path))
-            return
-        if self._step_ended and task_path != MODEL_TASK \
-                and not any(w[0] in WRITES_IDX_MAP for w in writes):
-            # No call of the step runs any more: held for the step's
-            # checkpoint, which LangGraph writes next (aput takes it along).
-            self._held.append(self._writes_op(config, writes, task_id, task_path))
+        op = self._writes_op(config, writes, task_id, task_path)
+        if self._held_for_next(writes, task_path):
+            # (`_held_id` stays: what is held here goes with whatever is
+            # written next, not only with its own checkpoint.)
+            self._held.append(op)
             return
         # A tool task's writes go out at once, together with those of the
         # step's other tasks finishing meanwhile (one pipeline for a
         # fan-out's results, not one transaction each), after what is held.
-        await self._task_writes.submit(self._writes_op(config, writes, task_id, task_path))
+        await self._task_writes.submit(op)
+
+    def _held_for_next(self, writes, task_path) -> bool:
+        """Whether a task's writes wait for the run's next write, because
+        nothing with an effect can run before it."""
+        channels = {w[0] for w in writes}
+        # A call that interrupted (before any effect): for the run's
+        # suspension. A resumed run's answer: for the interrupted call's
+        # tool.started. Writes arriving once no call of the step runs: for
+        # the step's checkpoint, LangGraph's next write.
+        return bool(writes) and (
+            channels == {INTERRUPT} or channels == {RESUME}
+            or (self._step_ended and task_path != MODEL_TASK
+                and not channels & WRITES_IDX_MAP.keys()))
 
     def last_call_ended(self) -> None:
         """The run's reporter: a tool call ended and no other call of its
-        step still runs. The writes of the calls that ended with it (not in
-        a batch yet) and its own are held for the step's checkpoint."""
+        step still runs. The step's writes that arrive from now on (this
+        call's, and those of calls that ended with it) are held for the
+        step's checkpoint."""
         self._step_ended = True
-        self._held += self._task_writes.withdraw(None)
 
     def _writes_op(self, config, writes, task_id, task_path) -> Op:
         # The statement of AsyncPostgresSaver.aput_writes.
