@@ -18,6 +18,7 @@ from yuxi import __version__, db
 from yuxi.heap import freeze_startup_heap
 from yuxi.api import errors, events, health, routes, web
 from yuxi.api.auth import KeyCache, provide_scope
+from yuxi.api.direct import YuxiApp
 from yuxi.api.feed import Feeds
 from yuxi.api.hub import EventHub
 from yuxi.metrics import ApiMetrics
@@ -54,7 +55,8 @@ def create_app(settings: Settings | None = None) -> Litestar:
             await checkpoint_pool.close()
             await pool.close()
 
-    return Litestar(
+    # YuxiApp: a Litestar app whose SSE frames may skip ASGI (yuxi.api.direct).
+    return YuxiApp(
         route_handlers=[
             *errors.document_errors([
                 routes.AgentController, routes.SessionController, routes.InputController,

@@ -26,6 +26,7 @@ from litestar.params import FromPath, HeaderParameter, QueryParameter
 from litestar.response import ServerSentEvent
 
 from yuxi.api.auth import Caller
+from yuxi.api.direct import direct_writer
 from yuxi.api.feed import CONNECTED, Subscriber
 from yuxi.errors import InvalidRequest
 from yuxi.services import sessions
@@ -81,7 +82,7 @@ class EventStream(ServerSentEvent):
         async def asgi(scope, receive, send) -> None:
             await response.start_response(send)
             await send({"type": "http.response.body", "body": CONNECTED, "more_body": True})
-            sub = Subscriber(feeds, tree_id, session_id, cursor, send)
+            sub = Subscriber(feeds, tree_id, session_id, cursor, send, direct_writer(scope))
             with feeds.subscribe(sub):
                 # uvicorn answers http.disconnect when the client goes and
                 # when the stream's last body has gone out (Subscriber.end).

@@ -18,10 +18,14 @@ that fell behind) reads the table itself, in a task of its own, until it
 reaches the window. With YUXI_SSE_FEED_EVENTS=0 there is no window: every
 subscriber reads the table itself after each notification.
 
-A send runs eagerly (as Python 3.12's eager tasks would): uvicorn writes to
-the socket without suspending unless the socket's buffer is full; only a
-send that has to wait (a slow client) finishes in a task, and meanwhile that
-subscriber's frames collect in its bounded buffer (YUXI_SSE_BUFFER_EVENTS).
+Under uvicorn a pass frames each distinct body once as an HTTP chunk and
+writes it into the subscribers' transports itself (yuxi.api.direct: the
+ASGI layers cost as much as the socket writes). Otherwise, and whenever a
+transport's buffer is full, a send runs eagerly (as Python 3.12's eager
+tasks would): uvicorn writes to the socket without suspending unless the
+socket's buffer is full; only a send that has to wait (a slow client)
+finishes in a task, and meanwhile that subscriber's frames collect in its
+bounded buffer (YUXI_SSE_BUFFER_EVENTS).
 A subscriber that cannot take new events for YUXI_SSE_SLOW_CONSUMER_SECONDS
 gets `: too far behind: reconnect with Last-Event-ID: <n>` and its stream
 ends. One failing subscriber never stalls the others.
@@ -41,6 +45,7 @@ import msgspec
 from litestar.response import ServerSentEventMessage
 
 from yuxi import db
+from yuxi.api.direct import DirectWriter, chunk
 from yuxi.errors import is_connection_error
 
 log = logging.getLogger(__name__)
@@ -124,13 +129,15 @@ async def _resume(coro, waiting) -> None:
 
 class Subscriber:
     """One SSE stream: its cursor (the last event handed to it), its filter
-    (a session id, or None for the whole tree) and its ASGI `send`."""
+    (a session id, or None for the whole tree), its ASGI `send` and, under
+    uvicorn, the writer into its transport."""
 
     def __init__(self, feeds: Feeds, tree_id: str, session_id: str | None, cursor: int,
-                 send) -> None:
+                 send, direct: DirectWriter | None = None) -> None:
         settings = feeds.settings
         self.feeds, self.tree_id, self.only, self.cursor = feeds, tree_id, session_id, cursor
         self.send = send
+        self.direct = direct
         self.capacity = max(1, settings.sse_buffer_events)
         self.slow_seconds = settings.sse_slow_consumer_seconds
         self.feed: TreeFeed | None = None
@@ -151,7 +158,8 @@ class Subscriber:
         """Take what follows the cursor from the feed's window (the feed
         calls this after each read; a drained send calls it too). `shared`
         caches one delivery pass's work by (cursor, filter): subscribers that
-        were level get the same body, and the same ASGI message."""
+        were level get the same body, the same ASGI message and the same
+        chunk."""
         if self.ending or self.catch_up is not None:
             return
         key = (self.cursor, self.only)
@@ -167,7 +175,8 @@ class Subscriber:
                           if self.only is None or str(r["session_id"]) == self.only]
                 body = b"".join(frames)
                 hit = (rows, body, len(frames), rows[-1]["seq"],
-                       {"type": "http.response.body", "body": body, "more_body": True})
+                       {"type": "http.response.body", "body": body, "more_body": True},
+                       chunk(body))
             if shared is not None:
                 shared[key] = hit
         if hit is _LEVEL:
@@ -175,7 +184,7 @@ class Subscriber:
         if hit is _BEHIND:
             self._start_catch_up()
             return
-        rows, body, count, last, message = hit
+        rows, body, count, last, message, framed = hit
         if self.queued + count > self.capacity:
             self.take(rows)
             return
@@ -183,7 +192,10 @@ class Subscriber:
         self.full_since = None
         if count:
             if self.writing is None and not self.pending and not self.closed:
-                self._write(message, True)
+                if self.direct is not None and self.direct.write(framed):
+                    self.last_write = time.monotonic()
+                else:
+                    self._write(message, True)
             else:
                 self._push(body, count)
 

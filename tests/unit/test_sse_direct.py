@@ -1,0 +1,120 @@
+"""SSE chunks written straight into uvicorn's transport (yuxi.api.direct),
+against a real uvicorn server on loopback: the bytes on the wire are those
+ASGI `send` would have written, and every case where only `send` may write
+gets no writer."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+import uvicorn
+from litestar import asgi
+from litestar.middleware import DefineMiddleware
+from litestar.types import Receive, Scope, Send
+
+from yuxi.api.direct import YuxiApp, chunk, direct_writer
+
+SSE_HEADERS = [(b"content-type", b"text/event-stream")]
+
+
+def _app(seen: dict, headers=SSE_HEADERS, middleware=(), pause: bool = False) -> YuxiApp:
+    @asgi("/stream", copy_scope=False)
+    async def stream(scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        writer = seen["writer"] = direct_writer(scope)
+        if writer is not None:
+            if pause:  # the transport's buffer above its high-water mark
+                writer._flow.pause_writing()
+                seen["paused_write"] = writer.write(chunk(b"data: lost\n\n"))
+                writer._flow.resume_writing()
+            seen["wrote"] = writer.write(chunk(b"data: one\n\n"))
+        if not seen.get("wrote"):
+            await send({"type": "http.response.body", "body": b"data: one\n\n",
+                        "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: two\n\n", "more_body": False})
+
+    return YuxiApp(route_handlers=[stream], middleware=list(middleware))
+
+
+async def _get(app, http: str = "httptools") -> tuple[bytes, bytes]:
+    """(head, de-chunked body) of GET /stream through a real uvicorn."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, http=http, lifespan="off", log_level="warning"))
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:
+            await asyncio.sleep(0.01)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /stream HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        raw = await asyncio.wait_for(reader.read(-1), 10)
+        writer.close()
+    finally:
+        server.should_exit = True
+        await serving
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    if b"transfer-encoding: chunked" not in head.lower():
+        return head, rest
+    body = b""
+    while rest:
+        size, _, rest = rest.partition(b"\r\n")
+        n = int(size, 16)
+        if n == 0:
+            break
+        body, rest = body + rest[:n], rest[n + 2:]
+    return head, body
+
+
+async def test_a_chunk_written_into_the_transport_reads_as_one_sent_through_asgi():
+    seen: dict = {}
+    head, body = await _get(_app(seen))
+    assert seen["writer"] is not None and seen["wrote"] is True
+    assert b"transfer-encoding: chunked" in head.lower()
+    assert body == b"data: one\n\ndata: two\n\n"
+
+
+async def test_a_paused_transport_takes_nothing_directly():
+    # Negative case of the flow-control guard: while uvicorn's flow control
+    # is paused the writer refuses, so the feed writes through `send`
+    # (which waits for the drain) and nothing jumps the queue.
+    seen: dict = {}
+    _head, body = await _get(_app(seen, pause=True))
+    assert seen["paused_write"] is False and seen["wrote"] is True
+    assert body == b"data: one\n\ndata: two\n\n"
+
+
+@pytest.mark.parametrize("case", ["middleware", "content-length", "h11"])
+async def test_only_send_may_write_where_a_body_is_not_ours_to_frame(case):
+    seen: dict = {}
+
+    def passthrough(app):
+        async def middleware(scope, receive, send):
+            await app(scope, receive, send)
+        return middleware
+
+    if case == "middleware":  # it might change bodies: no server send in the scope
+        app = _app(seen, middleware=[DefineMiddleware(passthrough)])
+    elif case == "content-length":  # not chunked
+        app = _app(seen, headers=[*SSE_HEADERS, (b"content-length", b"22")])
+    else:
+        app = _app(seen)
+    _head, body = await _get(app, http="h11" if case == "h11" else "httptools")
+    assert seen["writer"] is None
+    assert body == b"data: one\n\ndata: two\n\n"
+
+
+def test_the_server_send_is_kept_only_for_an_app_that_sends_bodies_unchanged():
+    assert YuxiApp(route_handlers=[]).sends_bodies_unchanged
+    assert not YuxiApp(route_handlers=[], before_send=[lambda m, s: None]).sends_bodies_unchanged
+
+
+def test_the_api_sends_its_bodies_unchanged():
+    # So its SSE streams take the direct path under uvicorn.
+    from yuxi.api.app import create_app
+    from yuxi.settings import Settings
+
+    app = create_app(Settings(database_url="postgresql://127.0.0.1/yuxi_unused"))
+    assert isinstance(app, YuxiApp) and app.sends_bodies_unchanged
