@@ -38,8 +38,8 @@ def _app(seen: dict, headers=SSE_HEADERS, middleware=(), pause: bool = False) ->
     return YuxiApp(route_handlers=[stream], middleware=list(middleware))
 
 
-async def _get(app, http: str = "httptools") -> tuple[bytes, bytes]:
-    """(head, de-chunked body) of GET /stream through a real uvicorn."""
+async def _get(app, http: str = "httptools", method: str = "GET") -> tuple[bytes, bytes]:
+    """(head, de-chunked body) of `method` /stream through a real uvicorn."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -49,7 +49,8 @@ async def _get(app, http: str = "httptools") -> tuple[bytes, bytes]:
         while not server.started:
             await asyncio.sleep(0.01)
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"GET /stream HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        writer.write(f"{method} /stream HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+                     .encode())
         raw = await asyncio.wait_for(reader.read(-1), 10)
         writer.close()
     finally:
@@ -86,24 +87,33 @@ async def test_a_paused_transport_takes_nothing_directly():
     assert body == b"data: one\n\ndata: two\n\n"
 
 
-@pytest.mark.parametrize("case", ["middleware", "content-length", "h11"])
+def _passthrough(app):
+    async def middleware(scope, receive, send):
+        await app(scope, receive, send)
+    return middleware
+
+
+# case: (app options, uvicorn's HTTP protocol, request method, the body read)
+NOT_OURS = {
+    # A middleware might change bodies: no server send in the scope.
+    "middleware": ({"middleware": [DefineMiddleware(_passthrough)]}, "httptools", "GET", True),
+    # Not chunked.
+    "content-length": ({"headers": [*SSE_HEADERS, (b"content-length", b"22")]}, "httptools",
+                       "GET", True),
+    # h11 frames chunks itself.
+    "h11": ({}, "h11", "GET", True),
+    # A HEAD response has no body at all (uvicorn writes none).
+    "head": ({}, "httptools", "HEAD", False),
+}
+
+
+@pytest.mark.parametrize("case", list(NOT_OURS))
 async def test_only_send_may_write_where_a_body_is_not_ours_to_frame(case):
+    options, http, method, has_body = NOT_OURS[case]
     seen: dict = {}
-
-    def passthrough(app):
-        async def middleware(scope, receive, send):
-            await app(scope, receive, send)
-        return middleware
-
-    if case == "middleware":  # it might change bodies: no server send in the scope
-        app = _app(seen, middleware=[DefineMiddleware(passthrough)])
-    elif case == "content-length":  # not chunked
-        app = _app(seen, headers=[*SSE_HEADERS, (b"content-length", b"22")])
-    else:
-        app = _app(seen)
-    _head, body = await _get(app, http="h11" if case == "h11" else "httptools")
+    _head, body = await _get(_app(seen, **options), http=http, method=method)
     assert seen["writer"] is None
-    assert body == b"data: one\n\ndata: two\n\n"
+    assert body == (b"data: one\n\ndata: two\n\n" if has_body else b"")
 
 
 def test_the_server_send_is_kept_only_for_an_app_that_sends_bodies_unchanged():
