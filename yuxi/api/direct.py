@@ -29,6 +29,9 @@ from litestar import Litestar
 # the route a wrapped one).
 RAW_SEND = "yuxi.raw_send"
 _HTTPTOOLS = "uvicorn.protocols.http.httptools_impl"
+# What the writer reads of uvicorn's RequestResponseCycle (private: a uvicorn
+# without one of them gets no writer, and tests/unit/test_sse_direct.py fails).
+_CYCLE_ATTRS = ("flow", "transport", "disconnected", "response_complete")
 
 
 class YuxiApp(Litestar):
@@ -73,6 +76,8 @@ def direct_writer(scope: Any) -> DirectWriter | None:
     None where only ASGI `send` may write."""
     cycle = getattr(scope.get(RAW_SEND), "__self__", None)
     if (type(cycle).__module__ != _HTTPTOOLS or not getattr(cycle, "response_started", False)
-            or getattr(cycle, "chunked_encoding", None) is not True):
+            or getattr(cycle, "chunked_encoding", None) is not True
+            or not all(hasattr(cycle, a) for a in _CYCLE_ATTRS)
+            or not hasattr(cycle.flow, "write_paused")):
         return None
     return DirectWriter(cycle)
