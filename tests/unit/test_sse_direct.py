@@ -14,7 +14,9 @@ from litestar import asgi
 from litestar.middleware import DefineMiddleware
 from litestar.types import Receive, Scope, Send
 
-from yuxi.api.direct import YuxiApp, chunk, direct_writer
+from yuxi.api.direct import DirectWriter, YuxiApp, chunk, direct_writer
+from yuxi.api.feed import KEEPALIVE, Feeds, Subscriber, TreeFeed, frame
+from yuxi.settings import Settings
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream")]
 
@@ -128,3 +130,52 @@ def test_the_api_sends_its_bodies_unchanged():
 
     app = create_app(Settings(database_url="postgresql://127.0.0.1/yuxi_unused"))
     assert isinstance(app, YuxiApp) and app.sends_bodies_unchanged
+
+
+class CountingWriter(DirectWriter):
+    """The real writer, counting the chunks it wrote into the transport."""
+
+    __slots__ = ("wrote",)
+
+    def __init__(self, writer: DirectWriter) -> None:
+        super().__init__(writer._cycle)
+        self.wrote = 0
+
+    def write(self, framed: bytes) -> bool:
+        wrote = super().write(framed)
+        self.wrote += wrote
+        return wrote
+
+
+def _row(seq: int) -> dict:
+    return {"seq": seq, "type": "message", "session_id": "s", "turn_id": None,
+            "run_id": None, "data": {"text": f"t{seq}"}, "created_at": "now"}
+
+
+async def test_a_subscriber_writes_its_frames_and_keepalives_through_the_writer():
+    # The feed's own path (yuxi.api.feed.Subscriber): a pass's frames, and a
+    # body of its buffer (a keepalive), go into the transport; an empty body
+    # and the last one go through `send`, which ends the response.
+    feeds = Feeds(None, None, Settings(sse_keepalive_seconds=0.0))
+    rows = [_row(1), _row(2)]
+    seen: dict = {}
+
+    @asgi("/stream", copy_scope=False)
+    async def stream(scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        writer = seen["writer"] = CountingWriter(direct_writer(scope))
+        sub = Subscriber(feeds, "t", None, 0, send, writer)
+        sub.feed = TreeFeed(feeds, "t")
+        sub.feed.high = 0
+        sub.feed._append(rows)
+        sub.offer({})
+        sub.keepalive(float("inf"))
+        # An empty body is no chunk: framed, it would be the response's end.
+        sub._write({"type": "http.response.body", "body": b"", "more_body": True}, True)
+        sub.end(b": bye\n\n")
+        while not sub.closed:
+            await asyncio.sleep(0.01)
+
+    _head, body = await _get(YuxiApp(route_handlers=[stream]))
+    assert seen["writer"].wrote == 2
+    assert body == frame(rows[0]) + frame(rows[1]) + KEEPALIVE + b": bye\n\n"

@@ -192,10 +192,7 @@ class Subscriber:
         self.full_since = None
         if count:
             if self.writing is None and not self.pending and not self.closed:
-                if self.direct is not None and self.direct.write(framed):
-                    self.last_write = time.monotonic()
-                else:
-                    self._write(message, True)
+                self._write(message, True, framed)
             else:
                 self._push(body, count)
 
@@ -290,8 +287,16 @@ class Subscriber:
         more = not self.ending
         self._write({"type": "http.response.body", "body": body, "more_body": more}, more)
 
-    def _write(self, message: dict, more: bool) -> None:
+    def _write(self, message: dict, more: bool, framed: bytes | None = None) -> None:
+        """Write one body: into the transport when it takes it at once
+        (`framed`: the body already as a chunk, shared by a pass), else
+        through ASGI `send`. The last body (`more` false) always goes
+        through `send`, which ends the response."""
         self.last_write = time.monotonic()
+        body = message["body"]
+        if more and body and self.direct is not None and self.direct.write(
+                chunk(body) if framed is None else framed):
+            return
         # Stepped eagerly: a send that does not have to wait for the socket
         # completes right here, with no task and no wake-up.
         coro = self.send(message)
