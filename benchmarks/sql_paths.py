@@ -35,6 +35,8 @@ from benchmarks.run import DEFAULT_URL
 RECEIVE = ("SELECT * FROM yuxi.receive_input_receipt_v1(%s, %s, %s, %s, 'queue', NULL, %s, "
            "false)")
 START = "SELECT * FROM yuxi.start_run_v1(%s, %s, 30, true) WHERE id IS NOT NULL"
+SUSPEND = ("SELECT s.outcome, (s.next_run).id FROM yuxi.suspend_run_v1(%s, %s, 'inputs', %s, "
+           "'{}', 600, %s, 30, true) s")
 COMPLETE = ("SELECT c.outcome, (c.next_run).id FROM yuxi.complete_run_v1(%s, %s, %s, '{}', %s, "
             "30, %s, true) c")
 
@@ -51,7 +53,7 @@ async def flush_stats(conn: psycopg.AsyncConnection) -> None:
     await conn.execute("SELECT 1")
 
 
-async def main_async(url: str, k: int) -> None:
+async def main_async(url: str, k: int, paths: tuple[str, ...]) -> None:
     from yuxi import db, schema
 
     name = db.database_name(url)
@@ -83,41 +85,85 @@ async def main_async(url: str, k: int) -> None:
             return row
 
         events = Jsonb([{"type": "message", "data": {"text": "ok"}}])
-        for counted in (False, True):
-            sessions = [(await one("SELECT id FROM yuxi.create_root_session_v1("
-                                   "%s, %s, %s, 't', '{\"model\": \"replay\"}')",
-                                   (user, app, agent)))[0] for _ in range(k)]
-            if counted:
-                spent.clear()
-                await flush_stats(conn)
-                await conn.execute("SELECT pg_stat_reset()")
-            for session in sessions:
-                first = await metered("receive (the turn starts)", RECEIVE,
-                                      (session, user, app, "one", str(uuid.uuid4())))
-                await metered("receive (queued)", RECEIVE,
-                              (session, user, app, "two", str(uuid.uuid4())))
+        if "sessions" in paths:
+            for counted in (False, True):
+                sessions = [(await one("SELECT id FROM yuxi.create_root_session_v1("
+                                       "%s, %s, %s, 't', '{\"model\": \"replay\"}')",
+                                       (user, app, agent)))[0] for _ in range(k)]
+                if counted:
+                    await reset(conn, spent)
+                for session in sessions:
+                    first = await metered("receive (the turn starts)", RECEIVE,
+                                          (session, user, app, "one", str(uuid.uuid4())))
+                    await metered("receive (queued)", RECEIVE,
+                                  (session, user, app, "two", str(uuid.uuid4())))
+                    (run,) = await one("SELECT id FROM yuxi.runs WHERE turn_id = %s",
+                                       (first[3],))
+                    token, next_token = uuid.uuid4(), uuid.uuid4()
+                    await metered("start_run", START, (run, token))
+                    outcome, following = await metered(
+                        "complete_run (hand-over)", COMPLETE,
+                        (run, token, Jsonb({"text": "ok"}), next_token, events))
+                    if outcome != "completed" or following is None:
+                        raise RuntimeError(f"no hand-over: {outcome}, {following}")
+                    outcome, _ = await metered(
+                        "complete_run (the last)", COMPLETE,
+                        (following, next_token, Jsonb({"text": "ok"}), None, events))
+                    if outcome != "completed":
+                        raise RuntimeError(f"completion: {outcome}")
+            await report(conn, url, spent, k, "per session (the five calls above)")
+        if "fanout" in paths:
+            # A fan-out's children, one chain: a root holding its tree's only
+            # slot creates them (pending), waits for their inputs and hands
+            # the slot over as it suspends; each child's completion hands it
+            # to the next (the last one's, to the root's resume run).
+            for counted in (False, True):
+                (root,) = await one("SELECT id FROM yuxi.create_root_session_v1("
+                                    "%s, %s, %s, 't', '{\"model\": \"replay\"}')",
+                                    (user, app, agent))
+                await conn.execute("UPDATE yuxi.trees SET slot_capacity = 1 WHERE id = %s",
+                                   (root,))
+                first = await one(RECEIVE, (root, user, app, "fan out", str(uuid.uuid4())))
                 (run,) = await one("SELECT id FROM yuxi.runs WHERE turn_id = %s", (first[3],))
                 token, next_token = uuid.uuid4(), uuid.uuid4()
-                await metered("start_run", START, (run, token))
-                outcome, following = await metered(
-                    "complete_run (hand-over)", COMPLETE,
-                    (run, token, Jsonb({"text": "ok"}), next_token, events))
-                if outcome != "completed" or following is None:
-                    raise RuntimeError(f"no hand-over: {outcome}, {following}")
-                outcome, _ = await metered(
-                    "complete_run (the last)", COMPLETE,
-                    (following, next_token, Jsonb({"text": "ok"}), None, events))
-                if outcome != "completed":
-                    raise RuntimeError(f"completion: {outcome}")
-        print(f"{k} sessions; backend CPU per call:")
-        for label, us in spent.items():
-            print(f"  {label:28} {us / k:7.0f} µs")
-        await flush_stats(conn)
-    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-        rows = await (await conn.execute(
+                await one(START, (run, token))
+                inputs = [r[0] for r in await (await conn.execute(
+                    "SELECT input_id FROM yuxi.create_children_v1(%s, %s, NULL, "
+                    "'{\"model\": \"replay\"}', %s) ORDER BY ord",
+                    (root, run, Jsonb([{"name": f"c{i}", "task": f"task {i}"}
+                                       for i in range(k)])))).fetchall()]
+                outcome, child = await one(SUSPEND, (run, token, inputs, next_token))
+                if counted:
+                    await reset(conn, spent)
+                for _ in range(k):
+                    token, next_token = next_token, uuid.uuid4()
+                    outcome, following = await metered(
+                        "complete_run (fan-out child)", COMPLETE,
+                        (child, token, Jsonb({"text": "ok"}), next_token, events))
+                    if outcome != "completed" or following is None:
+                        raise RuntimeError(f"no hand-over: {outcome}, {following}")
+                    child = following
+            await report(conn, url, spent, k, "per fan-out child (its completion)")
+
+
+async def reset(conn: psycopg.AsyncConnection, spent: dict[str, float]) -> None:
+    """Count from here: backend CPU and the function statistics."""
+    spent.clear()
+    await flush_stats(conn)
+    await conn.execute("SELECT pg_stat_reset()")
+
+
+async def report(conn: psycopg.AsyncConnection, url: str, spent: dict[str, float], k: int,
+                 per: str) -> None:
+    print(f"{k} times; backend CPU per call:")
+    for label, us in spent.items():
+        print(f"  {label:28} {us / k:7.0f} µs")
+    await flush_stats(conn)
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as other:
+        rows = await (await other.execute(
             "SELECT schemaname || '.' || funcname, calls, total_time, self_time "
             "FROM pg_stat_user_functions WHERE calls > 0 ORDER BY self_time DESC")).fetchall()
-    print("per session (the five calls above), wall time inside each function:")
+    print(f"{per}, wall time inside each function:")
     for fname, calls, total, self_ms in rows:
         print(f"  {fname:44} {calls / k:5.2f} calls  total {total / k * 1000:6.0f} µs  "
               f"self {self_ms / k * 1000:6.0f} µs")
@@ -131,8 +177,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, default=400)
     parser.add_argument("--database-url", default=default)
+    parser.add_argument("--paths", default="sessions,fanout",
+                        help="which paths: sessions (a session's two turns), fanout (a "
+                             "fan-out's children, one chain), or both (default)")
     args = parser.parse_args()
-    asyncio.run(main_async(args.database_url, args.sessions))
+    asyncio.run(main_async(args.database_url, args.sessions,
+                           tuple(args.paths.split(","))))
 
 
 if __name__ == "__main__":
