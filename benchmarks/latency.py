@@ -1,7 +1,7 @@
 """Fan-out, wake and SSE fan-in latency (issue 15), through the real API and
 real workers on a fresh database.
 
-    python -m benchmarks.latency [--scenarios fanout,wake,sse] [--children 64]
+    python -m benchmarks.latency [--scenarios fanout,wake,sse,chain] [--children 64]
         [--delay-ms 200] [--waits 50] [--subscribers 500] [--turns 20] [--interval 1]
         [--database-url URL]
 
@@ -14,6 +14,12 @@ real workers on a fresh database.
    (3) one after the other, each reported, and their median and range
    (this machine's speed wanders between runs); target: elapsed <= 1.1 x
    ideal.
+   Each line also gives the fan-out's chains (the children one slot ran,
+   each handed over by its predecessor): start, children, mean cycle.
+   Optional (--scenarios chain): the same fan-out of --chain-children (24)
+   on a tree of one slot, warm-up and --fanouts measured: one chain alone,
+   the least a child's slot costs beyond its model's delay here, without
+   the contention of four chains.
 2. Wake: --waits root sessions, one after the other, each turn creating one
    child (a 200 ms step, so the parent has suspended by then) and waiting
    for it. Wake = the child's `turn.completed` to the parent's resumed
@@ -190,11 +196,16 @@ async def scenario_fanout(args: Any, log_dir: Path) -> list[str]:
                 elapsed, done, span = await cur.fetchone()
                 elapsed, span = float(elapsed), float(span or 0)
                 parts = await fan_out_parts(conn, root, receipt, args.delay_ms)
+                chains = "; chains (start ms, children, mean cycle over the delay): " + ", ".join(
+                    f"+{start:.0f}/{n}/+{cycle:.1f}"
+                    for start, n, cycle in await chain_cycles(conn, root, receipt,
+                                                              args.delay_ms))
                 line = (f"fan-out ({attempt}): {args.children} children x {args.delay_ms} ms "
                         f"on {SLOTS} slots: elapsed {elapsed:.3f} s, ideal {ideal:.3f} s, "
                         f"ratio {elapsed / ideal:.2f} (target <= 1.10); children's first "
                         f"run.started to last turn.completed {span:.3f} s; "
-                        f"{done} children completed; root turn {status}; {parts}; {machine}")
+                        f"{done} children completed; root turn {status}; {parts}{chains}; "
+                        f"{machine}")
                 print(line, flush=True)
                 lines.append(line)
                 if attempt != "warm-up":
@@ -243,6 +254,83 @@ async def fan_out_parts(conn: psycopg.AsyncConnection, root: dict[str, Any],
             f"+{child[0] - delay_ms:.1f} ms (p90 +{child[1] - delay_ms:.1f}), root's "
             f"resume {float(resume or 0):.0f} ms, runs per worker "
             f"{'/'.join(map(str, per_worker or []))}")
+
+
+async def chain_cycles(conn: psycopg.AsyncConnection, root: dict[str, Any],
+                       receipt: dict[str, Any], delay_ms: int) -> list[tuple[float, int, float]]:
+    """The fan-out's chains: the children that one slot ran one after the
+    other, each handed over by its predecessor's completion (leased in that
+    transaction: its started_at is the predecessor's finished_at, on the same
+    worker). For each chain, oldest first: its start after the root's input
+    (ms), its children, and its mean cycle beyond the model's delay (ms, from
+    one child's lease to the next's). The longest chain, with the root's
+    resume, is the elapsed time."""
+    cur = await conn.execute(
+        """SELECT r.id, r.started_at, r.finished_at, r.claimer
+             FROM yuxi.runs r JOIN yuxi.sessions s ON s.id = r.session_id
+            WHERE r.tree_id = %s AND s.parent_id IS NOT NULL AND r.status = 'completed'
+            ORDER BY r.started_at""", (root["tree_id"],))
+    runs = await cur.fetchall()
+    cur = await conn.execute("SELECT created_at FROM yuxi.inputs WHERE id = %s",
+                             (receipt["input_id"],))
+    (began,) = await cur.fetchone()
+    following = {(r[1], r[3]): r for r in runs}
+    handed = {(r[2], r[3]) for r in runs}  # what a completion could hand over
+    chains = []
+    for first in (r for r in runs if (r[1], r[3]) not in handed):
+        chain = [first]
+        while (nxt := following.get((chain[-1][2], chain[-1][3]))) is not None \
+                and len(chain) <= len(runs):
+            chain.append(nxt)
+        cycles = [(b[1] - a[1]).total_seconds() * 1000 - delay_ms
+                  for a, b in zip(chain, chain[1:])]
+        chains.append(((first[1] - began).total_seconds() * 1000, len(chain),
+                       statistics.mean(cycles) if cycles else float("nan")))
+    return sorted(chains)
+
+
+async def scenario_chain(args: Any, log_dir: Path) -> list[str]:
+    """The fan-out's children on a tree of ONE slot: one chain, each child
+    handed over by the previous one's completion, with no other chain to
+    meet on the tree's lock or the vCPUs. Its cycle is the least a child's
+    slot costs on this machine beyond the model's delay; the 4-slot
+    fan-out's chains (their mean cycles on its lines) pay it and their
+    contention."""
+    lines = []
+    cycles: list[float] = []
+    attempts = ["warm-up", *(f"measured {k + 1} of {args.fanouts}" for k in range(args.fanouts))]
+    async with services(args.database_url, log_dir, workers=args.workers) as (_base, _key, http):
+        async with await psycopg.AsyncConnection.connect(args.database_url,
+                                                         autocommit=True) as conn:
+            for attempt in attempts:
+                root = await new_session(http, fan_out_script(args.chain_children,
+                                                              args.delay_ms), ["cooperation"])
+                await conn.execute("UPDATE yuxi.trees SET slot_capacity = 1 WHERE id = %s",
+                                   (root["tree_id"],))
+                cpu = CpuTime()
+                receipt = await post(http, root["id"], "fan out")
+                await wait_turn(conn, root["tree_id"], receipt["turn_id"])
+                machine = cpu.shares()
+                cur = await conn.execute(
+                    """SELECT e.created_at FROM yuxi.events e
+                        WHERE e.tree_id = %s AND e.session_id <> %s AND e.type = 'turn.completed'
+                        ORDER BY e.seq""", (root["tree_id"], root["id"]))
+                ends = [r[0] for r in await cur.fetchall()]
+                these = sorted((b - a).total_seconds() * 1000 - args.delay_ms
+                               for a, b in zip(ends, ends[1:]))
+                line = (f"chain ({attempt}): {args.chain_children} children x {args.delay_ms} ms "
+                        f"on 1 slot: cycle beyond the delay p50 +{pct(these, 0.5):.1f} ms, "
+                        f"p10 +{pct(these, 0.1):.1f}, p90 +{pct(these, 0.9):.1f}; {machine}")
+                print(line, flush=True)
+                lines.append(line)
+                if attempt != "warm-up":
+                    cycles += these
+    if cycles:
+        line = (f"chain: {len(cycles)} cycles measured: p50 +{pct(cycles, 0.5):.1f} ms, "
+                f"p10 +{pct(cycles, 0.1):.1f}, p90 +{pct(cycles, 0.9):.1f}")
+        print(line, flush=True)
+        lines.append(line)
+    return lines
 
 
 # --------------------------------------------------------------------------
@@ -653,7 +741,8 @@ async def round_trips(url: str, n: int = 200) -> str:
 
 
 async def main_async(args: Any) -> None:
-    scenarios = {"fanout": scenario_fanout, "wake": scenario_wake, "sse": scenario_sse}
+    scenarios = {"fanout": scenario_fanout, "chain": scenario_chain, "wake": scenario_wake,
+                 "sse": scenario_sse}
     lines: list[str] = []
     speed = [machine_speed()]
     trips = await round_trips(args.database_url)
@@ -686,6 +775,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scenarios", default="fanout,wake,sse")
     p.add_argument("--children", type=int, default=64)
+    p.add_argument("--chain-children", type=int, default=24,
+                   help="children of the one-slot fan-out (--scenarios chain)")
     p.add_argument("--fanouts", type=int, default=3,
                    help="measured fan-outs after the warm-up one (default 3)")
     p.add_argument("--workers", type=int, default=2,
