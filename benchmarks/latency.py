@@ -167,49 +167,60 @@ def fan_out_script(children: int, delay_ms: int) -> dict[str, Any]:
     }
 
 
-async def scenario_fanout(args: Any, log_dir: Path) -> list[str]:
-    ideal = args.children * args.delay_ms / 1000 / SLOTS
-    lines = []
-    ratios: list[float] = []
+async def fan_outs(args: Any, log_dir: Path, children: int, slots: int = SLOTS) -> Any:
+    """A scenario's fan-outs of `children` on trees of `slots` slots, one
+    after the other on the same services: a warm-up, then --fanouts
+    measured. Yields (attempt, conn, root, receipt, the root turn's terminal
+    event, the machine's CPU shares meanwhile) as each one ends."""
     attempts = ["warm-up", *(f"measured {k + 1} of {args.fanouts}" for k in range(args.fanouts))]
     async with services(args.database_url, log_dir, workers=args.workers) as (_base, _key, http):
         async with await psycopg.AsyncConnection.connect(args.database_url,
                                                          autocommit=True) as conn:
             for attempt in attempts:
-                root = await new_session(http, fan_out_script(args.children, args.delay_ms),
+                root = await new_session(http, fan_out_script(children, args.delay_ms),
                                          ["cooperation"])
+                if slots != SLOTS:
+                    await conn.execute("UPDATE yuxi.trees SET slot_capacity = %s WHERE id = %s",
+                                       (slots, root["tree_id"]))
                 cpu = CpuTime()
                 receipt = await post(http, root["id"], "fan out")
                 status = await wait_turn(conn, root["tree_id"], receipt["turn_id"])
-                machine = cpu.shares()
-                cur = await conn.execute(
-                    """SELECT extract(epoch FROM e.created_at - i.created_at),
-                              (SELECT count(*) FROM yuxi.events c WHERE c.tree_id = e.tree_id
-                                 AND c.session_id <> e.session_id AND c.type = 'turn.completed'),
-                              (SELECT extract(epoch FROM max(c.created_at) - min(c.created_at))
-                                 FROM yuxi.events c WHERE c.tree_id = e.tree_id
-                                 AND c.session_id <> e.session_id
-                                 AND c.type IN ('run.started', 'turn.completed'))
-                         FROM yuxi.events e JOIN yuxi.inputs i ON i.id = %s
-                        WHERE e.tree_id = %s AND e.turn_id = %s AND e.type = %s""",
-                    (receipt["input_id"], root["tree_id"], receipt["turn_id"], status))
-                elapsed, done, span = await cur.fetchone()
-                elapsed, span = float(elapsed), float(span or 0)
-                parts = await fan_out_parts(conn, root, receipt, args.delay_ms)
-                chains = "; chains (start ms, children, mean cycle over the delay): " + ", ".join(
-                    f"+{start:.0f}/{n}/+{cycle:.1f}"
-                    for start, n, cycle in await chain_cycles(conn, root, receipt,
-                                                              args.delay_ms))
-                line = (f"fan-out ({attempt}): {args.children} children x {args.delay_ms} ms "
-                        f"on {SLOTS} slots: elapsed {elapsed:.3f} s, ideal {ideal:.3f} s, "
-                        f"ratio {elapsed / ideal:.2f} (target <= 1.10); children's first "
-                        f"run.started to last turn.completed {span:.3f} s; "
-                        f"{done} children completed; root turn {status}; {parts}{chains}; "
-                        f"{machine}")
-                print(line, flush=True)
-                lines.append(line)
-                if attempt != "warm-up":
-                    ratios.append(elapsed / ideal)
+                yield attempt, conn, root, receipt, status, cpu.shares()
+
+
+async def scenario_fanout(args: Any, log_dir: Path) -> list[str]:
+    ideal = args.children * args.delay_ms / 1000 / SLOTS
+    lines = []
+    ratios: list[float] = []
+    async for attempt, conn, root, receipt, status, machine in fan_outs(args, log_dir,
+                                                                        args.children):
+        cur = await conn.execute(
+            """SELECT extract(epoch FROM e.created_at - i.created_at),
+                      (SELECT count(*) FROM yuxi.events c WHERE c.tree_id = e.tree_id
+                         AND c.session_id <> e.session_id AND c.type = 'turn.completed'),
+                      (SELECT extract(epoch FROM max(c.created_at) - min(c.created_at))
+                         FROM yuxi.events c WHERE c.tree_id = e.tree_id
+                         AND c.session_id <> e.session_id
+                         AND c.type IN ('run.started', 'turn.completed'))
+                 FROM yuxi.events e JOIN yuxi.inputs i ON i.id = %s
+                WHERE e.tree_id = %s AND e.turn_id = %s AND e.type = %s""",
+            (receipt["input_id"], root["tree_id"], receipt["turn_id"], status))
+        elapsed, done, span = await cur.fetchone()
+        elapsed, span = float(elapsed), float(span or 0)
+        parts = await fan_out_parts(conn, root, receipt, args.delay_ms)
+        chains = "; chains (start ms, children, mean cycle over the delay): " + ", ".join(
+            f"+{start:.0f}/{n}/+{cycle:.1f}"
+            for start, n, cycle in await chain_cycles(conn, root, receipt, args.delay_ms))
+        line = (f"fan-out ({attempt}): {args.children} children x {args.delay_ms} ms "
+                f"on {SLOTS} slots: elapsed {elapsed:.3f} s, ideal {ideal:.3f} s, "
+                f"ratio {elapsed / ideal:.2f} (target <= 1.10); children's first "
+                f"run.started to last turn.completed {span:.3f} s; "
+                f"{done} children completed; root turn {status}; {parts}{chains}; "
+                f"{machine}")
+        print(line, flush=True)
+        lines.append(line)
+        if attempt != "warm-up":
+            ratios.append(elapsed / ideal)
     if ratios:
         line = (f"fan-out: {args.children} children x {args.delay_ms} ms on {SLOTS} slots, "
                 f"{len(ratios)} measured: ratio median {statistics.median(ratios):.2f}, range "
@@ -298,33 +309,22 @@ async def scenario_chain(args: Any, log_dir: Path) -> list[str]:
     contention."""
     lines = []
     cycles: list[float] = []
-    attempts = ["warm-up", *(f"measured {k + 1} of {args.fanouts}" for k in range(args.fanouts))]
-    async with services(args.database_url, log_dir, workers=args.workers) as (_base, _key, http):
-        async with await psycopg.AsyncConnection.connect(args.database_url,
-                                                         autocommit=True) as conn:
-            for attempt in attempts:
-                root = await new_session(http, fan_out_script(args.chain_children,
-                                                              args.delay_ms), ["cooperation"])
-                await conn.execute("UPDATE yuxi.trees SET slot_capacity = 1 WHERE id = %s",
-                                   (root["tree_id"],))
-                cpu = CpuTime()
-                receipt = await post(http, root["id"], "fan out")
-                await wait_turn(conn, root["tree_id"], receipt["turn_id"])
-                machine = cpu.shares()
-                cur = await conn.execute(
-                    """SELECT e.created_at FROM yuxi.events e
-                        WHERE e.tree_id = %s AND e.session_id <> %s AND e.type = 'turn.completed'
-                        ORDER BY e.seq""", (root["tree_id"], root["id"]))
-                ends = [r[0] for r in await cur.fetchall()]
-                these = sorted((b - a).total_seconds() * 1000 - args.delay_ms
-                               for a, b in zip(ends, ends[1:]))
-                line = (f"chain ({attempt}): {args.chain_children} children x {args.delay_ms} ms "
-                        f"on 1 slot: cycle beyond the delay p50 +{pct(these, 0.5):.1f} ms, "
-                        f"p10 +{pct(these, 0.1):.1f}, p90 +{pct(these, 0.9):.1f}; {machine}")
-                print(line, flush=True)
-                lines.append(line)
-                if attempt != "warm-up":
-                    cycles += these
+    async for attempt, conn, root, _receipt, _status, machine in fan_outs(
+            args, log_dir, args.chain_children, slots=1):
+        cur = await conn.execute(
+            """SELECT e.created_at FROM yuxi.events e
+                WHERE e.tree_id = %s AND e.session_id <> %s AND e.type = 'turn.completed'
+                ORDER BY e.seq""", (root["tree_id"], root["id"]))
+        ends = [r[0] for r in await cur.fetchall()]
+        these = sorted((b - a).total_seconds() * 1000 - args.delay_ms
+                       for a, b in zip(ends, ends[1:]))
+        line = (f"chain ({attempt}): {args.chain_children} children x {args.delay_ms} ms "
+                f"on 1 slot: cycle beyond the delay p50 +{pct(these, 0.5):.1f} ms, "
+                f"p10 +{pct(these, 0.1):.1f}, p90 +{pct(these, 0.9):.1f}; {machine}")
+        print(line, flush=True)
+        lines.append(line)
+        if attempt != "warm-up":
+            cycles += these
     if cycles:
         line = (f"chain: {len(cycles)} cycles measured: p50 +{pct(cycles, 0.5):.1f} ms, "
                 f"p10 +{pct(cycles, 0.1):.1f}, p90 +{pct(cycles, 0.9):.1f}")
@@ -680,7 +680,7 @@ async def scenario_sse(args: Any, log_dir: Path) -> list[str]:
 
 
 class CpuTime:
-    """This machine's CPU time (/proc/stat) between `start` and `shares`:
+    """This machine's CPU time (/proc/stat) from its making to `shares`:
     how busy its vCPUs were, and how much of the time their host gave to
     others (steal: a VM's vCPU that is ready to run and is not). A run
     whose vCPUs were stolen a quarter of the time is slower for it, whatever
