@@ -54,5 +54,13 @@ async def test_subscribers_share_one_reader_of_the_table(start_api, start_worker
     for seqs in shared + alone:
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), seqs  # gap-free, once
     assert all(seqs == shared[0] for seqs in shared) and all(s == alone[0] for s in alone)
+    # Both counts include the worker's own reads of the table (each event's
+    # number and dedupe key: ~56 for this turn, the same in both phases), so
+    # the per-subscriber reading shows as the difference: at least two more
+    # reads per subscriber (the turn notifies the API several times; seen:
+    # 120-193, and 39 between two runs that both read per subscriber). A
+    # ratio of the totals, with_feed * 3 < without, failed once at 61
+    # against 181: notifications coalesce on a slow machine, and the
+    # worker's share dominated the shared count.
     with_feed, without = middle - before, after - middle
-    assert without >= SUBSCRIBERS and with_feed * 3 < without, (with_feed, without)
+    assert without - with_feed >= 2 * SUBSCRIBERS, (with_feed, without)
