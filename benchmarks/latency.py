@@ -66,7 +66,7 @@ import httpx
 import psutil
 import psycopg
 
-from benchmarks import run as bench
+from benchmarks import measure, run as bench
 
 DEFAULT_DB = "yuxi_bench_latency"
 SLOTS = 4
@@ -209,8 +209,8 @@ async def scenario_fanout(args: Any, log_dir: Path) -> list[str]:
         elapsed, span = float(elapsed), float(span or 0)
         parts = await fan_out_parts(conn, root, receipt, args.delay_ms)
         chains = "; chains (start ms, children, mean cycle over the delay): " + ", ".join(
-            f"+{start:.0f}/{n}/+{cycle:.1f}"
-            for start, n, cycle in await chain_cycles(conn, root, receipt, args.delay_ms))
+            f"+{start:.0f}/{len(cycles) + 1}/+{mean_cycle(cycles):.1f}"
+            for start, cycles in await chain_cycles(conn, root, receipt, args.delay_ms))
         line = (f"fan-out ({attempt}): {args.children} children x {args.delay_ms} ms "
                 f"on {SLOTS} slots: elapsed {elapsed:.3f} s, ideal {ideal:.3f} s, "
                 f"ratio {elapsed / ideal:.2f} (target <= 1.10); children's first "
@@ -268,16 +268,16 @@ async def fan_out_parts(conn: psycopg.AsyncConnection, root: dict[str, Any],
 
 
 async def chain_cycles(conn: psycopg.AsyncConnection, root: dict[str, Any],
-                       receipt: dict[str, Any], delay_ms: int) -> list[tuple[float, int, float]]:
+                       receipt: dict[str, Any], delay_ms: int) -> list[tuple[float, list[float]]]:
     """The fan-out's chains: the children that one slot ran one after the
     other, each handed over by its predecessor's completion (leased in that
     transaction: its started_at is the predecessor's finished_at, on the same
     worker). For each chain, oldest first: its start after the root's input
-    (ms), its children, and its mean cycle beyond the model's delay (ms, from
-    one child's lease to the next's). The longest chain, with the root's
-    resume, is the elapsed time."""
+    (ms) and its cycles beyond the model's delay (ms, from one child's lease
+    to the next's). The longest chain, with the root's resume, is the
+    elapsed time."""
     cur = await conn.execute(
-        """SELECT r.id, r.started_at, r.finished_at, r.claimer
+        """SELECT r.started_at, r.finished_at, r.claimer
              FROM yuxi.runs r JOIN yuxi.sessions s ON s.id = r.session_id
             WHERE r.tree_id = %s AND s.parent_id IS NOT NULL AND r.status = 'completed'
             ORDER BY r.started_at""", (root["tree_id"],))
@@ -285,19 +285,23 @@ async def chain_cycles(conn: psycopg.AsyncConnection, root: dict[str, Any],
     cur = await conn.execute("SELECT created_at FROM yuxi.inputs WHERE id = %s",
                              (receipt["input_id"],))
     (began,) = await cur.fetchone()
-    following = {(r[1], r[3]): r for r in runs}
-    handed = {(r[2], r[3]) for r in runs}  # what a completion could hand over
+    following = {(started, claimer): (started, finished, claimer)
+                 for started, finished, claimer in runs}
+    handed = {(finished, claimer) for _started, finished, claimer in runs}
     chains = []
-    for first in (r for r in runs if (r[1], r[3]) not in handed):
+    for first in (r for r in runs if (r[0], r[2]) not in handed):
         chain = [first]
-        while (nxt := following.get((chain[-1][2], chain[-1][3]))) is not None \
-                and len(chain) <= len(runs):
+        # (A run finishes after it starts: a chain never comes back.)
+        while (nxt := following.get((chain[-1][1], chain[-1][2]))) is not None:
             chain.append(nxt)
-        cycles = [(b[1] - a[1]).total_seconds() * 1000 - delay_ms
-                  for a, b in zip(chain, chain[1:])]
-        chains.append(((first[1] - began).total_seconds() * 1000, len(chain),
-                       statistics.mean(cycles) if cycles else float("nan")))
+        chains.append(((first[0] - began).total_seconds() * 1000,
+                       [(b[0] - a[0]).total_seconds() * 1000 - delay_ms
+                        for a, b in zip(chain, chain[1:])]))
     return sorted(chains)
+
+
+def mean_cycle(cycles: list[float]) -> float:
+    return statistics.mean(cycles) if cycles else float("nan")
 
 
 async def scenario_chain(args: Any, log_dir: Path) -> list[str]:
@@ -309,24 +313,22 @@ async def scenario_chain(args: Any, log_dir: Path) -> list[str]:
     contention."""
     lines = []
     cycles: list[float] = []
-    async for attempt, conn, root, _receipt, _status, machine in fan_outs(
+    async for attempt, conn, root, receipt, _status, machine in fan_outs(
             args, log_dir, args.chain_children, slots=1):
-        cur = await conn.execute(
-            """SELECT e.created_at FROM yuxi.events e
-                WHERE e.tree_id = %s AND e.session_id <> %s AND e.type = 'turn.completed'
-                ORDER BY e.seq""", (root["tree_id"], root["id"]))
-        ends = [r[0] for r in await cur.fetchall()]
-        these = sorted((b - a).total_seconds() * 1000 - args.delay_ms
-                       for a, b in zip(ends, ends[1:]))
+        these = sorted(c for _start, chain in await chain_cycles(conn, root, receipt,
+                                                                 args.delay_ms)
+                       for c in chain)
         line = (f"chain ({attempt}): {args.chain_children} children x {args.delay_ms} ms "
-                f"on 1 slot: cycle beyond the delay p50 +{pct(these, 0.5):.1f} ms, "
-                f"p10 +{pct(these, 0.1):.1f}, p90 +{pct(these, 0.9):.1f}; {machine}")
+                f"on 1 slot: cycle beyond the delay mean +{mean_cycle(these):.1f} ms, "
+                f"p50 +{pct(these, 0.5):.1f}, p10 +{pct(these, 0.1):.1f}, "
+                f"p90 +{pct(these, 0.9):.1f}; {machine}")
         print(line, flush=True)
         lines.append(line)
         if attempt != "warm-up":
             cycles += these
     if cycles:
-        line = (f"chain: {len(cycles)} cycles measured: p50 +{pct(cycles, 0.5):.1f} ms, "
+        line = (f"chain: {len(cycles)} cycles measured: mean +{mean_cycle(cycles):.1f} ms, "
+                f"p50 +{pct(cycles, 0.5):.1f}, "
                 f"p10 +{pct(cycles, 0.1):.1f}, p90 +{pct(cycles, 0.9):.1f}")
         print(line, flush=True)
         lines.append(line)
@@ -680,32 +682,21 @@ async def scenario_sse(args: Any, log_dir: Path) -> list[str]:
 
 
 class CpuTime:
-    """This machine's CPU time (/proc/stat) from its making to `shares`:
-    how busy its vCPUs were, and how much of the time their host gave to
-    others (steal: a VM's vCPU that is ready to run and is not). A run
-    whose vCPUs were stolen a quarter of the time is slower for it, whatever
-    the code did."""
+    """This machine's CPU time (measure.cpu_times) from its making to
+    `shares`: how busy its vCPUs were, and how much of the time their host
+    gave to others (steal: a VM's vCPU that is ready to run and is not). A
+    run whose vCPUs were stolen a quarter of the time is slower for it,
+    whatever the code did."""
 
     def __init__(self) -> None:
-        self.began = self._read()
-
-    @staticmethod
-    def _read() -> list[int] | None:
-        try:
-            with open("/proc/stat") as f:
-                return [int(v) for v in f.readline().split()[1:9]]
-        except (OSError, ValueError):
-            return None
+        self.began = measure.cpu_times()
 
     def shares(self) -> str:
-        end = self._read()
-        if self.began is None or end is None:
-            return "machine CPU not readable"
-        d = [b - a for a, b in zip(self.began, end)]
-        total = sum(d) or 1
-        # user nice system idle iowait irq softirq steal
-        busy = d[0] + d[1] + d[2] + d[5] + d[6]
-        return f"vCPUs busy {busy / total:.0%}, stolen {d[7] / total:.0%}"
+        spent = [b - a for a, b in zip(self.began, measure.cpu_times())]
+        user, nice, system, _idle, _iowait, irq, softirq, steal = spent
+        total = sum(spent) or 1
+        busy = user + nice + system + irq + softirq
+        return f"vCPUs busy {busy / total:.0%}, stolen {steal / total:.0%}"
 
 
 def machine_speed() -> float:

@@ -68,10 +68,15 @@ def postgres_cpu() -> float:
     return total / _TICK
 
 
+def cpu_times() -> list[int]:
+    """The machine's CPU time since boot, in ticks, as /proc/stat's first
+    line gives it: user, nice, system, idle, iowait, irq, softirq, steal."""
+    return [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+
+
 def machine_cpu() -> tuple[float, float]:
     """(busy, total) CPU seconds of the machine since boot."""
-    parts = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    values = [int(v) for v in parts[:8]]
+    values = cpu_times()
     idle = values[3] + values[4]
     return (sum(values) - idle) / _TICK, sum(values) / _TICK
 
