@@ -93,6 +93,24 @@ def test_key_is_read_at_build_time_and_never_shown(configured, monkeypatch):
     assert "sk-very-secret" not in repr(chat) and "sk-very-secret" not in str(chat.model_dump())
 
 
+def test_a_process_builds_one_client_model_per_key(configured, monkeypatch):
+    """Runs share a built ChatOpenAI (~1.4 ms each to build); a rotated key
+    or another timeout gets its own, never the old key's."""
+    def build(timeout=5):
+        return models.build_chat_model("vllm/Qwen/Qwen2.5-7B-Instruct", {},
+                                       approval_mode="auto", session={}, timeout=timeout)
+
+    monkeypatch.setenv("VLLM_KEY", "sk-one")
+    first = build()
+    assert build() is first and first.temperature == 0
+    assert build(timeout=9) is not first and build(timeout=9).request_timeout == 9
+    monkeypatch.setenv("VLLM_KEY", "sk-two")
+    rotated = build()
+    assert rotated is not first
+    assert rotated.openai_api_key.get_secret_value() == "sk-two"
+    assert first.openai_api_key.get_secret_value() == "sk-one"
+
+
 async def test_replay_stream_step_yields_chunks():
     model = ReplayChatModel(script={"default": [
         {"say": "one two three", "stream": True, "chunk_delay_ms": 1}]})
