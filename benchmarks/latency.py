@@ -14,8 +14,11 @@ real workers on a fresh database.
    (3) one after the other, each reported, and their median and range
    (this machine's speed wanders between runs); target: elapsed <= 1.1 x
    ideal.
-   Each line also gives the fan-out's chains (the children one slot ran,
-   each handed over by its predecessor): start, children, mean cycle.
+   Each line also gives the root's first run in phases (lease, the
+   create's answer, the children created, the results saved, the
+   suspension that frees the last chain's slot) and the fan-out's chains
+   (the children one slot ran, each handed over by its predecessor):
+   start, children, mean cycle.
    Optional (--scenarios chain): the same fan-out of --chain-children (24)
    on a tree of one slot, warm-up and --fanouts measured: one chain alone,
    the least a child's slot costs beyond its model's delay here, without
@@ -233,15 +236,30 @@ async def scenario_fanout(args: Any, log_dir: Path) -> list[str]:
 async def fan_out_parts(conn: psycopg.AsyncConnection, root: dict[str, Any],
                         receipt: dict[str, Any], delay_ms: int) -> str:
     """Where a fan-out's time beyond the ideal went: the root's first run
-    (its input to its suspension, when its slot goes to the last chain),
-    a child's run beyond its model's delay (p50 and p90, from its lease to
-    its completion), the root's resumed run (the last child's end to the
-    root's), and the runs each worker process executed (runs.claimer)."""
+    (its input to its suspension, when its slot goes to the last chain)
+    and its phases (`first_phases`), a child's run beyond its model's
+    delay (p50 and p90, from its lease to its completion), the root's
+    resumed run (the last child's end to the root's), and the runs each
+    worker process executed (runs.claimer)."""
     cur = await conn.execute(
         """SELECT (SELECT extract(epoch FROM min(e.created_at) - i.created_at) * 1000
                      FROM yuxi.events e
                     WHERE e.tree_id = %(tree)s AND e.turn_id = %(turn)s
                       AND e.type = 'run.suspended') AS first_ms,
+                  (SELECT ARRAY[extract(epoch FROM min(e.created_at) FILTER (
+                                    WHERE e.type = 'run.started') - i.created_at),
+                                extract(epoch FROM min(e.created_at) FILTER (
+                                    WHERE e.type = 'message') - i.created_at),
+                                extract(epoch FROM max(e.created_at) FILTER (
+                                    WHERE e.type = 'session.created'
+                                      AND e.session_id <> %(root)s) - i.created_at),
+                                extract(epoch FROM min(e.created_at) FILTER (
+                                    WHERE e.type = 'tool.finished') - i.created_at),
+                                extract(epoch FROM min(e.created_at) FILTER (
+                                    WHERE e.type = 'run.suspended') - i.created_at)]
+                     FROM yuxi.events e
+                    WHERE e.tree_id = %(tree)s
+                      AND (e.turn_id = %(turn)s OR e.type = 'session.created')) AS phases,
                   (SELECT percentile_cont(ARRAY[0.5, 0.9]) WITHIN GROUP (
                               ORDER BY extract(epoch FROM r.finished_at - r.started_at) * 1000)
                      FROM yuxi.runs r
@@ -259,12 +277,29 @@ async def fan_out_parts(conn: psycopg.AsyncConnection, root: dict[str, Any],
              FROM yuxi.inputs i WHERE i.id = %(input)s""",
         {"tree": root["tree_id"], "turn": receipt["turn_id"], "root": root["id"],
          "input": receipt["input_id"]})
-    first, child, resume, per_worker = await cur.fetchone()
+    first, phases, child, resume, per_worker = await cur.fetchone()
     child = child or [0.0, 0.0]
-    return (f"root's first run {float(first or 0):.0f} ms, a child's run "
+    return (f"root's first run {float(first or 0):.0f} ms ({first_phases(phases)}), "
+            f"a child's run "
             f"+{child[0] - delay_ms:.1f} ms (p90 +{child[1] - delay_ms:.1f}), root's "
             f"resume {float(resume or 0):.0f} ms, runs per worker "
             f"{'/'.join(map(str, per_worker or []))}")
+
+
+def first_phases(marks: list[Any] | None) -> str:
+    """The root's first run in phases, each from the previous mark (ms):
+    its lease (run.started after its input), its create's answer (the
+    `message` event, committed with the step and its calls' tool.started),
+    the children created (their last session.created, in the create's
+    transaction), the results saved (the first tool.finished, with the
+    step's checkpoint) and its suspension (the wait's step, its interrupt
+    and run.suspended)."""
+    names = ("leased", "answer", "children created", "results saved", "suspended")
+    if not marks or any(m is None for m in marks):
+        return "phases n/a"
+    ms = [float(m) * 1000 for m in marks]
+    return ", ".join(f"{name} +{b - a:.0f}"
+                     for name, a, b in zip(names, [0.0, *ms], ms))
 
 
 async def chain_cycles(conn: psycopg.AsyncConnection, root: dict[str, Any],
