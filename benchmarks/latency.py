@@ -242,11 +242,7 @@ async def fan_out_parts(conn: psycopg.AsyncConnection, root: dict[str, Any],
     resumed run (the last child's end to the root's), and the runs each
     worker process executed (runs.claimer)."""
     cur = await conn.execute(
-        """SELECT (SELECT extract(epoch FROM min(e.created_at) - i.created_at) * 1000
-                     FROM yuxi.events e
-                    WHERE e.tree_id = %(tree)s AND e.turn_id = %(turn)s
-                      AND e.type = 'run.suspended') AS first_ms,
-                  (SELECT ARRAY[extract(epoch FROM min(e.created_at) FILTER (
+        """SELECT (SELECT ARRAY[extract(epoch FROM min(e.created_at) FILTER (
                                     WHERE e.type = 'run.started') - i.created_at),
                                 extract(epoch FROM min(e.created_at) FILTER (
                                     WHERE e.type = 'message') - i.created_at),
@@ -277,9 +273,11 @@ async def fan_out_parts(conn: psycopg.AsyncConnection, root: dict[str, Any],
              FROM yuxi.inputs i WHERE i.id = %(input)s""",
         {"tree": root["tree_id"], "turn": receipt["turn_id"], "root": root["id"],
          "input": receipt["input_id"]})
-    first, phases, child, resume, per_worker = await cur.fetchone()
+    phases, child, resume, per_worker = await cur.fetchone()
     child = child or [0.0, 0.0]
-    return (f"root's first run {float(first or 0):.0f} ms ({first_phases(phases)}), "
+    # The run's last phase ends at its suspension: the whole first run.
+    first = float(phases[-1] or 0) * 1000 if phases else 0.0
+    return (f"root's first run {first:.0f} ms ({first_phases(phases)}), "
             f"a child's run "
             f"+{child[0] - delay_ms:.1f} ms (p90 +{child[1] - delay_ms:.1f}), root's "
             f"resume {float(resume or 0):.0f} ms, runs per worker "
