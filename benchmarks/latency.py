@@ -620,18 +620,25 @@ async def sse_run(args: Any, log_dir: Path, label: str, extra_env: dict[str, str
 
 def _trace_summary(path: Path) -> str:
     """Where the API's milliseconds went (YUXI_SSE_TRACE=1 lines of
-    yuxi.api.feed: one per feed read)."""
+    yuxi.api.feed: one per feed read), and the GC pauses over 2 ms during the
+    turns: those before the first feed read (the process starting, the
+    subscribers connecting) delay no frame and are only counted."""
+    text = path.read_text(errors="replace")
     parts: dict[str, list[float]] = {"NOTIFY->feed awake": [], "read": [], "delivery": []}
-    for m in re.finditer(r"NOTIFY->feed awake ([\d.]+) ms, read ([\d.]+) ms, "
-                         r"delivery ([\d.]+) ms", path.read_text(errors="replace")):
+    # (The awake figure goes negative when the NOTIFY was noted after the
+    # feed woke for an earlier one.)
+    reads = list(re.finditer(r"NOTIFY->feed awake (-?[\d.]+) ms, read ([\d.]+) ms, "
+                             r"delivery ([\d.]+) ms", text))
+    for m in reads:
         for name, value in zip(parts, m.groups()):
             parts[name].append(float(value))
-    n = len(parts["read"])
-    gcs = [(float(m.group(2)), m.group(0)) for m in re.finditer(
-        r"gc generation (\d) took ([\d.]+) ms.*", path.read_text(errors="replace"))]
-    gc_note = (f"; GC pauses over 2 ms: {len(gcs)}:\n      " + "\n      ".join(
-        text for _, text in gcs) if gcs else "; no GC pause over 2 ms")
-    return gc_note + f"\n    trace, {n} feed reads: " + "; ".join(
+    first = reads[0].start() if reads else len(text)
+    gcs = list(re.finditer(r"gc generation (\d) took ([\d.]+) ms.*", text))
+    during = [m.group(0) for m in gcs if m.start() > first]
+    gc_note = (f"; GC pauses over 2 ms during the turns: {len(during)}"
+               + "".join(f"\n      {g}" for g in during)
+               + f" ({len(gcs) - len(during)} more before them)")
+    return gc_note + f"\n    trace, {len(reads)} feed reads: " + "; ".join(
         f"{name} p50 {pct(v, 0.5):.2f} p99 {pct(v, 0.99):.2f} max {max(v, default=0):.2f} ms"
         for name, v in parts.items())
 
