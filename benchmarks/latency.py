@@ -621,8 +621,10 @@ async def sse_run(args: Any, log_dir: Path, label: str, extra_env: dict[str, str
 def _trace_summary(path: Path) -> str:
     """Where the API's milliseconds went (YUXI_SSE_TRACE=1 lines of
     yuxi.api.feed: one per feed read), and the GC pauses over 2 ms during the
-    turns: those before the first feed read (the process starting, the
-    subscribers connecting) delay no frame and are only counted."""
+    turns: those logged before the first feed read's line (the process
+    starting, the subscribers connecting) delay no frame and are only
+    counted. (A feed read is logged after its delivery, so a pause inside
+    the very first pass is counted with them.)"""
     text = path.read_text(errors="replace")
     parts: dict[str, list[float]] = {"NOTIFY->feed awake": [], "read": [], "delivery": []}
     # (The awake figure goes negative when the NOTIFY was noted after the
@@ -633,11 +635,11 @@ def _trace_summary(path: Path) -> str:
         for name, value in zip(parts, m.groups()):
             parts[name].append(float(value))
     first = reads[0].start() if reads else len(text)
-    gcs = list(re.finditer(r"gc generation (\d) took ([\d.]+) ms.*", text))
+    gcs = list(re.finditer(r"gc generation \d took [\d.]+ ms.*", text))
     during = [m.group(0) for m in gcs if m.start() > first]
-    gc_note = (f"; GC pauses over 2 ms during the turns: {len(during)}"
-               + "".join(f"\n      {g}" for g in during)
-               + f" ({len(gcs) - len(during)} more before them)")
+    gc_note = (f"; GC pauses over 2 ms during the turns: {len(during)} "
+               f"({len(gcs) - len(during)} more before them)"
+               + "".join(f"\n      {g}" for g in during))
     return gc_note + f"\n    trace, {len(reads)} feed reads: " + "; ".join(
         f"{name} p50 {pct(v, 0.5):.2f} p99 {pct(v, 0.99):.2f} max {max(v, default=0):.2f} ms"
         for name, v in parts.items())
