@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import contextlib
 import gc
 import os
@@ -422,8 +423,15 @@ async def scenario_wake(args: Any, log_dir: Path) -> list[str]:
 # 3. SSE fan-in
 
 
-class Subscriber(asyncio.Protocol):
+class Subscriber(asyncio.BufferedProtocol):
+    """One event stream of the lean client. A buffered protocol: the loop
+    reads into one shared 64 KiB buffer, and each arrival keeps a copy of
+    its bytes. (A plain `asyncio.Protocol` has the loop allocate 256 KiB
+    for every read, an mmap and a munmap each: that cost the client about
+    8 ms for each pass of 500 sockets here, which it then measured as the
+    server's delay.)"""
     last_data = 0.0  # the last arrival at any subscriber
+    buffer = memoryview(bytearray(65536))  # shared: each read is copied out at once
 
     def __init__(self, request: bytes) -> None:
         self.request = request
@@ -435,9 +443,12 @@ class Subscriber(asyncio.Protocol):
         self.transport = transport
         transport.write(self.request)
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return Subscriber.buffer
+
+    def buffer_updated(self, nbytes: int) -> None:
         now = time.time()
-        self.chunks.append((now, data))
+        self.chunks.append((now, bytes(Subscriber.buffer[:nbytes])))
         Subscriber.last_data = now
         if not self.got_data.done():
             self.got_data.set_result(None)
@@ -578,8 +589,6 @@ async def sse_run(args: Any, log_dir: Path, label: str, extra_env: dict[str, str
         listener.join(5)
     notifies = sorted(listener.times)
 
-    import bisect
-
     def committed(ts: float) -> float:
         i = bisect.bisect_left(notifies, ts)
         return notifies[i] if i < len(notifies) else float("nan")
@@ -646,30 +655,39 @@ def _trace_summary(path: Path) -> str:
 
 
 # The receiving end of write_floor: a process of its own that connects n
-# sockets to the port and reads whatever arrives until they close.
+# sockets to the port, reads whatever arrives until they close, and then
+# prints the wall-clock time of each read (one line, space-separated): the
+# arrival of a pass's bytes at a lean client, with nothing of ours between.
 _FLOOR_READER = """
-import selectors, socket, sys
+import selectors, socket, sys, time
 port, n = int(sys.argv[1]), int(sys.argv[2])
 sel = selectors.DefaultSelector()
 for _ in range(n):
     s = socket.create_connection(("127.0.0.1", port))
     s.setblocking(False)
     sel.register(s, selectors.EVENT_READ)
+arrived = []
 while sel.get_map():
     for key, _ in sel.select():
-        if not key.fileobj.recv(65536):
+        if key.fileobj.recv(65536):
+            arrived.append(time.time())
+        else:
             sel.unregister(key.fileobj)
+print(" ".join(f"{t:.6f}" for t in arrived))
 """
 
 
 FLOOR_BYTES = 400  # about one event's SSE frame
 
 
-async def write_floor(n: int, rounds: int = 30, size: int = FLOOR_BYTES) -> tuple[float, float]:
+async def write_floor(n: int, rounds: int = 30,
+                      size: int = FLOOR_BYTES) -> tuple[float, float, float, float]:
     """The floor of one SSE delivery pass on this machine: a bare asyncio
     loop writing `size` bytes to each of `n` loopback sockets whose reader
     is another process, `rounds` times 50 ms apart (as frames come, with
-    the reader idle in between). Returns (p50, p90) of a pass, in ms. A
+    the reader idle in between). Returns, in ms, (p50, p90) of a pass and
+    (p50, p99) of a read at the reader after its pass began: the least a
+    frame's delay from its NOTIFY can be, with one pass and no read. A
     write on loopback does the receiver's TCP work and wakes it: its cost
     is the kernel's, and it varied 2x between days on this machine (7.8 µs
     a write, then 17), so the SSE delays are read against it."""
@@ -683,12 +701,14 @@ async def write_floor(n: int, rounds: int = 30, size: int = FLOOR_BYTES) -> tupl
     server = await loop.create_server(Sink, "127.0.0.1", 0, backlog=n)
     port = server.sockets[0].getsockname()[1]
     reader = await asyncio.create_subprocess_exec(sys.executable, "-c", _FLOOR_READER,
-                                                  str(port), str(n))
+                                                  str(port), str(n),
+                                                  stdout=asyncio.subprocess.PIPE)
     try:
         transports = [await asyncio.wait_for(accepted.get(), 30) for _ in range(n)]
         data = b"x" * size
-        passes = []
+        passes, starts = [], []
         for _ in range(rounds):
+            starts.append(time.time())
             began = time.perf_counter()
             for t in transports:
                 t.write(data)
@@ -696,21 +716,26 @@ async def write_floor(n: int, rounds: int = 30, size: int = FLOOR_BYTES) -> tupl
             await asyncio.sleep(0.05)
         for t in transports:
             t.close()
-        await asyncio.wait_for(reader.wait(), 10)
+        out, _ = await asyncio.wait_for(reader.communicate(), 10)
     finally:
         if reader.returncode is None:
             reader.kill()
             await reader.wait()
         server.close()
-    return pct(passes, 0.5), pct(passes, 0.9)
+    # Each read belongs to the last pass that began before it (passes are
+    # 50 ms apart, a pass's bytes arrive within a few ms).
+    arrivals = [(t - starts[bisect.bisect_right(starts, t) - 1]) * 1000
+                for t in map(float, out.split()) if t >= starts[0]]
+    return pct(passes, 0.5), pct(passes, 0.9), pct(arrivals, 0.5), pct(arrivals, 0.99)
 
 
 async def scenario_sse(args: Any, log_dir: Path) -> list[str]:
-    p50, p90 = await write_floor(args.subscribers)
+    p50, p90, a50, a99 = await write_floor(args.subscribers)
     lines = [f"SSE floor (this machine now): a bare asyncio loop writes {FLOOR_BYTES} bytes to each of "
              f"{args.subscribers} loopback sockets in p50 {p50:.1f} ms, p90 {p90:.1f} ms "
              f"({p50 / args.subscribers * 1000:.1f} µs a write): one delivery pass to all "
-             f"subscribers cannot take less"]
+             f"subscribers cannot take less; its bytes reach a lean reader p50 {a50:.1f} ms, "
+             f"p99 {a99:.1f} ms after the pass begins"]
     print(lines[0], flush=True)
     for interval in (0.0, args.interval):
         lines.append(await sse_run(args, log_dir, "default feed", {}, interval))
