@@ -41,7 +41,9 @@ real workers on a fresh database.
    --interval s (1); a run ends when no byte arrived for 2 s. Also the API
    process's CPU over the run per frame delivered, and first the floor: a
    bare asyncio loop's pass writing one chunk to each of --subscribers
-   loopback sockets (`write_floor`), which no delivery can beat.
+   loopback sockets (`write_floor`), which no delivery can beat, and when
+   that pass's bytes reach a lean reader in another process (the least a
+   frame's delay from its NOTIFY can be).
 
 Services: the API (uvicorn) and 2 `procrastinate worker` processes (worker
 concurrency 8) as benchmarks.run starts them, restarted on a fresh database
