@@ -38,9 +38,25 @@ class WorkerApp(procrastinate.App):
         await super().run_worker_async(**kwargs)
 
 
+class WorkerConnector(procrastinate.PsycopgConnector):
+    """Procrastinate's connector, except that its worker hears its job
+    notifications on this process's one LISTEN connection (the executor's
+    WorkerListener, which also hears cancels and ready runs), not on one of
+    its own: PostgreSQL wakes every listening backend of the database at
+    each notifying commit, whatever the channel (benchmarks/README.md).
+    Until the executor opens (at the worker's start, or at its first job),
+    Procrastinate finds its jobs by polling."""
+
+    async def listen_notify(self, on_notification, channels) -> None:  # type: ignore[override]
+        from workers import tasks
+
+        await tasks.relay_notifications(channels, on_notification)
+
+
 app = WorkerApp(
-    connector=procrastinate.PsycopgConnector(
-        # Direct: its LISTEN connection is built from this pool's conninfo.
+    connector=WorkerConnector(
+        # The server itself, never a transaction pooler: psycopg prepares
+        # statements (the LISTEN is the executor's, WorkerConnector).
         conninfo=db.with_search_path(settings.session_database_url, db.PROCRASTINATE_SCHEMA),
         min_size=1,
         max_size=4,

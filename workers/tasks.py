@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 _context: dict[str, object] = {}
 _context_lock = asyncio.Lock()
+_opened = asyncio.Event()  # the executor is open (relay_notifications)
 
 # This process's own figures, on YUXI_WORKER_METRICS_PORT (docs/operator-guide.md).
 metrics: WorkerMetrics | None = None
@@ -58,7 +59,17 @@ async def _executor() -> RunExecutor:
             # (a worker busy with long runs still holds its sandboxes).
             _context["heartbeat"] = asyncio.create_task(_host_heartbeats(pool),
                                                         name="yuxi-host-heartbeat")
+            _opened.set()
     return _context["executor"]  # type: ignore[return-value]
+
+
+async def relay_notifications(channels, on_notification) -> None:
+    """Procrastinate's job notifications (`channels`), heard on this
+    process's one LISTEN connection, the executor's, once it is open; until
+    cancelled (workers.app.WorkerConnector)."""
+    while (executor := _context.get("executor")) is None:
+        await _opened.wait()
+    await executor.listener.relay(channels, on_notification)
 
 
 def start_executor() -> None:
@@ -109,6 +120,7 @@ async def close_executor() -> None:
     """Close this process's pools (the worker is stopping)."""
     async with _context_lock:
         executor = _context.pop("executor", None)
+        _opened.clear()
     if executor is not None:
         await executor.close_claims()
         await executor.pool.close()

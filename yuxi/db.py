@@ -12,11 +12,12 @@ import contextlib
 import json
 import logging
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, LiteralString, cast
 
 import psycopg
+from psycopg import sql
 from psycopg.adapt import AdaptersMap
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import dict_row
@@ -201,10 +202,12 @@ async def transaction(pool: AsyncConnectionPool) -> AsyncIterator[psycopg.AsyncC
         yield conn
 
 
-async def listen_forever(url: str, channels: tuple[str, ...], on_note, *, what: str,
+async def listen_forever(url: str, channels: tuple[str, ...] | Callable[[], tuple[str, ...]],
+                         on_note, *, what: str,
                          on_connect=None, on_disconnect=None, on_poll=None,
                          poll_seconds: float = 5.0) -> None:
-    """A process's LISTEN connection on `channels`, kept up for good: each
+    """A process's LISTEN connection on `channels` (or on what `channels()`
+    returns at each connect), kept up for good: each
     notification goes to `on_note`; a lost connection is reopened with
     backoff (0.2 s doubling to 5 s). `on_connect` runs once listening (the
     notifications sent while disconnected are gone: catch up there),
@@ -216,8 +219,9 @@ async def listen_forever(url: str, channels: tuple[str, ...], on_note, *, what: 
     while True:
         try:
             async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-                for channel in channels:
-                    await conn.execute(f"LISTEN {channel}")
+                for channel in (channels() if callable(channels) else channels):
+                    # Quoted: Procrastinate's channels hold '#' and '@'.
+                    await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
                 backoff = 0.2
                 if on_poll is not None:
                     await on_poll(conn)

@@ -7,6 +7,7 @@ a job, never claim, and one process would run every run
 from __future__ import annotations
 
 import asyncio
+import random
 import sys
 
 import pytest
@@ -53,3 +54,40 @@ async def test_a_worker_opened_at_its_first_job_never_claims_without_one(
     await asyncio.sleep(3)
     assert proc.popen.poll() is None, proc.log()
     assert _claimers(pg) == 0
+
+
+LISTENING = """SELECT application_name, query FROM pg_stat_activity
+                WHERE datname = current_database() AND query ILIKE 'LISTEN%%'"""
+
+
+async def test_a_worker_process_has_one_listen_connection_that_wakes_its_jobs(start_worker, pg):
+    # One LISTEN connection per worker process: its claims connection also
+    # hears Procrastinate's job notifications (workers.app.WorkerConnector).
+    # PostgreSQL wakes every listening backend at each notifying commit.
+    start_worker()
+
+    def listening() -> list[tuple[bool, bool]]:
+        return [(r["application_name"].startswith("yuxi-claims "),
+                 "procrastinate_queue_v1#runs" in r["query"])
+                for r in pg.conn.execute(LISTENING).fetchall()]
+
+    await wait_for(lambda: asyncio.sleep(0, listening() == [(True, True)]), 20,
+                   "the claims connection, listening to the jobs too")
+    await asyncio.sleep(1)
+    assert listening() == [(True, True)]
+    # Procrastinate's worker hears a job due now at once (3-11 ms here), not
+    # at its next poll (every 0.25 s; inserted at random phases, five jobs
+    # all fetched within 80 ms by polling is a 0.3 % chance): a job of no
+    # task fails and stays, with the times of its insert and of its fetch.
+    delays = []
+    for _ in range(5):
+        job = pg.scalar("SELECT yuxi.defer_job_v1('runs', 'no_such_task', '{}'::jsonb, now())")
+        await wait_for(lambda: asyncio.sleep(0, pg.scalar(
+            "SELECT status::text FROM procrastinate.procrastinate_jobs WHERE id = %s",
+            (job,)) == "failed"), 10, "the job's failure")
+        delays.append(pg.scalar(
+            "SELECT extract(epoch FROM max(at) FILTER (WHERE type = 'started')"
+            " - max(at) FILTER (WHERE type = 'deferred')) FROM procrastinate.procrastinate_events"
+            " WHERE job_id = %s", (job,)))
+        await asyncio.sleep(random.uniform(0, 0.25))
+    assert max(delays) < 0.08, delays

@@ -6,6 +6,7 @@ never hands that job out. A job fetched first stays and finds its run taken."""
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 
 import psycopg
@@ -412,3 +413,48 @@ async def test_closed_claims_keep_listening_for_a_watched_turn_s_cancel(pool, ch
         assert await scalar(pool, LISTENERS) == 1
         assert await scalar(pool, "SELECT count(*) FROM yuxi.claimers_v1()") == 0
     await asyncio.gather(ex.listener.stop_claiming(), return_exceptions=True)
+
+
+async def test_procrastinate_s_jobs_are_heard_on_the_claims_connection(pool, checkpoint_pool):
+    # One LISTEN connection per worker process: Procrastinate's worker hears
+    # its jobs on the executor's listener (workers.app.WorkerConnector). Its
+    # channels come after the listener connected: it is made again with them.
+    ex = executor(pool, checkpoint_pool)
+    ex.claims(("runs",))
+    heard: list[tuple[str, str]] = []
+    got = asyncio.Event()
+
+    async def on_notification(*, channel: str, payload: str) -> None:
+        heard.append((channel, payload))
+        got.set()
+
+    relay = None
+    try:
+        assert await ex.listener.ready()
+        first = ex.listener.pid
+        relay = asyncio.create_task(ex.listener.relay(
+            ["procrastinate_queue_v1#runs", "procrastinate_queue_v1#runs@h1"], on_notification))
+        await asyncio.sleep(0)
+        assert await ex.listener.ready()
+        assert ex.listener.pid != first  # listening again, with the relay's channels
+        assert await scalar(pool, LISTENERS) == 1
+        job = await scalar(pool, "SELECT yuxi.defer_job_v1('runs@h1', 'execute_run', "
+                                 "'{}'::jsonb, now())")
+        await asyncio.wait_for(got.wait(), 5)
+        assert heard[0][0] == "procrastinate_queue_v1#runs@h1"
+        assert json.loads(heard[0][1]) == {"type": "job_inserted", "job_id": job}
+        # A relay cancelled passes nothing more (the connection still
+        # listens on its channels until it is made again).
+        relay.cancel()
+        await asyncio.gather(relay, return_exceptions=True)
+        got.clear()
+        await scalar(pool, "SELECT yuxi.defer_job_v1('runs@h1', 'execute_run', "
+                           "'{}'::jsonb, now())")
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(got.wait(), 0.5)
+        assert len(heard) == 1
+    finally:
+        if relay is not None:
+            relay.cancel()
+        await ex.close_claims()
+    assert await scalar(pool, LISTENERS) == 0

@@ -5,8 +5,9 @@
   table, are not numbered and are never replayed (`message.delta` on SSE).
 - `WorkerListener`: the worker process's one LISTEN connection, on
   `yuxi_cancel` (the turns trigger of sql/130_models.sql): a model call of a
-  turn whose cancel commits is aborted at once, with its HTTP request; and on
-  `yuxi_ready` (sql/020_slots.sql): the ready runs the worker claims.
+  turn whose cancel commits is aborted at once, with its HTTP request; on
+  `yuxi_ready` (sql/020_slots.sql): the ready runs the worker claims; and on
+  Procrastinate's job channels, for its worker (`relay`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import msgspec
@@ -128,6 +129,12 @@ class WorkerListener:
         # (yuxi.claimers_v1) and announces each ready run to one of them.
         self.claimer_host: str | None = None
         self.pid: int | None = None  # this listener's backend
+        # Channels heard for someone else (Procrastinate's worker, `relay`),
+        # each with its callback; and the channels the current connection
+        # listens to (None until it has chosen them).
+        self._relays: dict[str, Callable[..., Awaitable[None]]] = {}
+        self._listening: frozenset[str] | None = None
+        self._relayed: set[asyncio.Task] = set()
 
     def stop_claiming(self) -> asyncio.Task | None:
         """Hear no more ready runs, and leave the claimers' set at once (a
@@ -142,8 +149,9 @@ class WorkerListener:
         stopped = self._task
         stopped.cancel()
         self._ready.clear()
-        self._task = (asyncio.create_task(self._listen_forever(), name="yuxi-cancel-watch")
-                      if self._turns else None)
+        self._task = None
+        if self._turns or self._relays:
+            self._start_task()
         return stopped
 
     @property
@@ -170,7 +178,36 @@ class WorkerListener:
 
     def _ensure_started(self) -> None:
         if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._listen_forever(), name="yuxi-cancel-watch")
+            self._start_task()
+
+    def _start_task(self) -> None:
+        self._listening = None
+        self._task = asyncio.create_task(self._listen_forever(), name="yuxi-cancel-watch")
+
+    async def relay(self, channels: Iterable[str],
+                    on_notification: Callable[..., Awaitable[None]]) -> None:
+        """Hear `channels` too, passing each of their notifications to
+        `on_notification(channel=, payload=)`, until cancelled: Procrastinate's
+        worker hears its jobs here (workers.app.WorkerConnector), not on a
+        LISTEN connection of its own. PostgreSQL wakes every listening
+        backend of the database at each commit that notifies, whatever the
+        channel: one connection less costs the server ~11 us per such commit
+        (benchmarks/README.md). A connection that listens without them yet
+        is made again with them."""
+        wanted = frozenset(channels)
+        for channel in wanted:
+            self._relays[channel] = on_notification
+        try:
+            if self._task is None or self._task.done():
+                self._start_task()
+            elif self._listening is not None and not wanted <= self._listening:
+                self._task.cancel()
+                self._start_task()
+            await asyncio.Future()  # until cancelled
+        finally:
+            for channel in wanted:
+                if self._relays.get(channel) is on_notification:
+                    del self._relays[channel]
 
     async def ready(self, timeout: float = 5.0) -> bool:
         self._ensure_started()
@@ -224,8 +261,21 @@ class WorkerListener:
     def _note(self, note: Any) -> None:
         if note.channel == CANCEL_CHANNEL:
             self._cancel(note.payload)
-        elif self.on_ready is not None:
-            self.on_ready(note.payload)
+        elif note.channel == READY_CHANNEL:
+            if self.on_ready is not None:
+                self.on_ready(note.payload)
+        elif (relay := self._relays.get(note.channel)) is not None:
+            task = asyncio.create_task(self._relayed_note(relay, note.channel, note.payload))
+            self._relayed.add(task)
+            task.add_done_callback(self._relayed.discard)
+
+    @staticmethod
+    async def _relayed_note(relay: Callable[..., Awaitable[None]], channel: str,
+                            payload: str) -> None:
+        try:
+            await relay(channel=channel, payload=payload)
+        except Exception:
+            log.exception("a notification on %s: %.200r", channel, payload)
 
     async def _listen_forever(self) -> None:
         # Missed notifications cost latency only: boundaries still check, and
@@ -235,7 +285,14 @@ class WorkerListener:
         else:
             channels, on_poll = (CANCEL_CHANNEL, READY_CHANNEL), self._connected
             url = make_conninfo(self.url, application_name=f"{CLAIMER}{self.claimer_host}"[:63])
-        await db.listen_forever(url, channels, self._note,
+
+        def chosen() -> tuple[str, ...]:
+            # At each connect: the relays registered by then come along.
+            every = (*channels, *sorted(self._relays))
+            self._listening = frozenset(every)
+            return every
+
+        await db.listen_forever(url, chosen, self._note,
                                 what="worker listener", on_connect=self._ready.set,
                                 on_disconnect=self._ready.clear, on_poll=on_poll,
                                 poll_seconds=self.poll_seconds)
