@@ -139,18 +139,25 @@ class WorkerListener:
     def stop_claiming(self) -> asyncio.Task | None:
         """Hear no more ready runs, and leave the claimers' set at once (a
         claimer that stays listed would be picked for runs it no longer
-        claims). The connection is made again, listening to cancels only,
-        while a turn is watched; else the next watched turn makes it.
+        claims). The connection is made again, without the claims, while a
+        turn is watched or a relay runs; else the next watched turn makes it.
         Returns the cancelled listening task (awaited, its connection is
         closed), or None."""
         self.on_ready, self.claimer_host = None, None
         if self._task is None or self._task.done():
             return None
+        return self._listen_again()
+
+    def _listen_again(self) -> asyncio.Task:
+        """Cancel the running listening task (returned) and make the
+        connection again, with what is to be heard now (claims, a watched
+        turn's cancel, relays), if anything is."""
         stopped = self._task
+        assert stopped is not None
         stopped.cancel()
         self._ready.clear()
         self._task = None
-        if self._turns or self._relays:
+        if self.on_ready is not None or self._turns or self._relays:
             self._start_task()
         return stopped
 
@@ -198,11 +205,11 @@ class WorkerListener:
         for channel in wanted:
             self._relays[channel] = on_notification
         try:
-            if self._task is None or self._task.done():
-                self._start_task()
-            elif self._listening is not None and not wanted <= self._listening:
-                self._task.cancel()
-                self._start_task()
+            if (self._task is not None and not self._task.done()
+                    and self._listening is not None and not wanted <= self._listening):
+                self._listen_again()
+            else:
+                self._ensure_started()
             await asyncio.Future()  # until cancelled
         finally:
             for channel in wanted:
