@@ -204,41 +204,45 @@ async def transaction(pool: AsyncConnectionPool) -> AsyncIterator[psycopg.AsyncC
 
 async def listen_forever(url: str, channels: tuple[str, ...] | Callable[[], tuple[str, ...]],
                          on_note, *, what: str,
-                         on_connect=None, on_disconnect=None, on_poll=None,
+                         on_connect=None, on_disconnect=None,
                          poll_seconds: float = 5.0) -> None:
     """A process's LISTEN connection on `channels` (or on what `channels()`
-    returns at each connect), kept up for good: each
-    notification goes to `on_note`; a lost connection is reopened with
-    backoff (0.2 s doubling to 5 s). `on_connect` runs once listening (the
-    notifications sent while disconnected are gone: catch up there),
-    `on_disconnect` when the connection is lost. `on_poll(conn)`, a
-    coroutine, is the round trip made at connect and every `poll_seconds`
-    (else `SELECT 1`). Runs until cancelled."""
+    returns at each connect), kept up for good: each notification goes to
+    `on_note`; a lost connection is reopened with backoff (0.2 s doubling
+    to 5 s). `on_connect(conn)` runs once listening (the notifications sent
+    while disconnected are gone: catch up there), `on_disconnect()` when the
+    connection is lost. Runs until cancelled.
+
+    Every `poll_seconds` the connection makes a round trip, and one that
+    takes longer than that counts as lost: a listener only reads, so a peer
+    gone without a word (a dropped NAT entry, a silent network, a frozen
+    server) would otherwise leave it deaf for good. The round trip is the
+    first channel's LISTEN again, a no-op in the server, so the connection's
+    last statement stays a LISTEN: how operators and tests tell listeners
+    in pg_stat_activity."""
     log = logging.getLogger("yuxi.listen")
     backoff = 0.2
     while True:
         try:
             async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-                for channel in (channels() if callable(channels) else channels):
-                    # Quoted: Procrastinate's channels hold '#' and '@'.
-                    await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+                # Quoted: Procrastinate's channels hold '#' and '@'.
+                listens = [sql.SQL("LISTEN {}").format(sql.Identifier(channel))
+                           for channel in (channels() if callable(channels) else channels)]
+                for listen in listens:
+                    await conn.execute(listen)
                 backoff = 0.2
-                if on_poll is not None:
-                    await on_poll(conn)
                 if on_connect is not None:
-                    on_connect()
+                    on_connect(conn)
                 while True:
-                    # A bounded wait, then a round trip: a dead connection is noticed.
                     async for note in conn.notifies(timeout=poll_seconds):
                         on_note(note)
-                    if on_poll is not None:
-                        await on_poll(conn)
-                    else:
-                        await conn.execute("SELECT 1")
+                    async with asyncio.timeout(poll_seconds):
+                        await conn.execute(listens[0])
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            log.warning("%s lost its connection: %s", what, exc)
+            log.warning("%s lost its connection: %s", what,
+                        "no answer to its poll" if isinstance(exc, TimeoutError) else exc)
         finally:
             if on_disconnect is not None:
                 on_disconnect()

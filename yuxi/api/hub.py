@@ -115,7 +115,7 @@ class EventHub:
         else:
             self._wake(note.payload.partition(" ")[0])
 
-    def _connected(self) -> None:
+    def _connected(self, conn) -> None:
         self.connected = True
         self._wake_all()
 

@@ -177,8 +177,9 @@ class WorkerListener:
         (this one has just connected): every claimer claims it."""
         return claimer == 0 or claimer == self.pid
 
-    async def _connected(self, conn: Any) -> None:
+    def _connected(self, conn: Any) -> None:
         self.pid = conn.info.backend_pid
+        self._ready.set()
 
     def start(self) -> None:
         self._ensure_started()
@@ -189,7 +190,7 @@ class WorkerListener:
 
     def _start_task(self) -> None:
         self._listening = None
-        self._task = asyncio.create_task(self._listen_forever(), name="yuxi-cancel-watch")
+        self._task = asyncio.create_task(self._listen_forever(), name="yuxi-worker-listener")
 
     async def relay(self, channels: Iterable[str],
                     on_notification: Callable[..., Awaitable[None]]) -> None:
@@ -288,9 +289,9 @@ class WorkerListener:
         # Missed notifications cost latency only: boundaries still check, and
         # a ready run's job is still in the queue.
         if self.on_ready is None:
-            channels, url, on_poll = (CANCEL_CHANNEL,), self.url, None
+            channels, url = (CANCEL_CHANNEL,), self.url
         else:
-            channels, on_poll = (CANCEL_CHANNEL, READY_CHANNEL), self._connected
+            channels = (CANCEL_CHANNEL, READY_CHANNEL)
             url = make_conninfo(self.url, application_name=f"{CLAIMER}{self.claimer_host}"[:63])
 
         def chosen() -> tuple[str, ...]:
@@ -300,9 +301,8 @@ class WorkerListener:
             return every
 
         await db.listen_forever(url, chosen, self._note,
-                                what="worker listener", on_connect=self._ready.set,
-                                on_disconnect=self._ready.clear, on_poll=on_poll,
-                                poll_seconds=self.poll_seconds)
+                                what="worker listener", on_connect=self._connected,
+                                on_disconnect=self._ready.clear, poll_seconds=self.poll_seconds)
 
 
 def _current_cancelling() -> bool:

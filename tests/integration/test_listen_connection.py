@@ -1,0 +1,166 @@
+"""A LISTEN connection notices a peer that stopped answering (db.listen_forever).
+
+A listener only reads, so when the server or the network goes silent
+without closing the connection (a dropped NAT entry, a frozen host), it
+would wait for notifications for good: a worker would hear no more claims,
+cancels or jobs, an API no more events. Its poll is a round trip with a
+deadline; one that gets no answer in time makes the connection again.
+
+The silence is real: the listener reaches PostgreSQL through a TCP relay in
+this test, which stops passing bytes on the connections it has (keeping
+them open) while new ones pass."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from tests.integration.helpers import scalar
+from yuxi import db
+from yuxi.runtime.live import WorkerListener
+
+POLL = 0.2
+
+
+class Relay:
+    """A TCP relay to the database that can go silent on its connections."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.frozen: list[asyncio.Event] = []  # one per relayed connection
+        self.server: asyncio.Server | None = None
+        self.tasks: set[asyncio.Task] = set()
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def __aenter__(self) -> Relay:
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.server.close()
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for writer in self.writers:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.server.sockets[0].getsockname()[:2]
+
+    def freeze(self) -> None:
+        """Its current connections pass nothing more, and stay open."""
+        for frozen in self.frozen:
+            frozen.set()
+
+    async def _relay(self, client_reader, client_writer) -> None:
+        self.tasks.add(asyncio.current_task())
+        self.writers.append(client_writer)
+        if self.host.startswith("/"):
+            server_reader, server_writer = await asyncio.open_unix_connection(
+                f"{self.host}/.s.PGSQL.{self.port}")
+        else:
+            server_reader, server_writer = await asyncio.open_connection(self.host, self.port)
+        self.writers.append(server_writer)
+        frozen = asyncio.Event()
+        self.frozen.append(frozen)
+
+        async def pipe(reader, writer) -> None:
+            while data := await reader.read(65536):
+                if frozen.is_set():
+                    await asyncio.Future()  # swallowed: silence, the socket open
+                writer.write(data)
+                await writer.drain()
+            writer.close()  # the peer's end, passed on (a cancel request ends so)
+
+        with contextlib.suppress(Exception):
+            await asyncio.gather(pipe(client_reader, server_writer),
+                                 pipe(server_reader, client_writer))
+
+
+def _through(db_url: str, relay: Relay) -> str:
+    host, port = relay.address
+    return make_conninfo(db_url, host=host, port=port)
+
+
+def _target(db_url: str) -> tuple[str, int]:
+    params = conninfo_to_dict(db_url)
+    return params.get("host") or "127.0.0.1", int(params.get("port") or 5432)
+
+
+async def test_a_listener_whose_peer_went_silent_connects_again(db_url, pool):
+    connects: list[int] = []
+    heard: list[str] = []
+    async with Relay(*_target(db_url)) as relay:
+        task = asyncio.create_task(db.listen_forever(
+            _through(db_url, relay), ("yuxi_probe",), lambda note: heard.append(note.payload),
+            what="test listener", on_connect=lambda conn: connects.append(conn.info.backend_pid),
+            poll_seconds=POLL))
+        try:
+            async with asyncio.timeout(10):
+                while not connects:
+                    await asyncio.sleep(0.02)
+            await asyncio.sleep(3 * POLL)  # polls answered: the same connection
+            assert len(connects) == 1
+            relay.freeze()
+            # Psycopg's own cancel of the unanswered poll takes up to 5 s more.
+            async with asyncio.timeout(15):
+                while len(connects) < 2:
+                    await asyncio.sleep(0.05)
+            async with pool.connection() as conn:
+                await conn.execute("NOTIFY yuxi_probe, 'after'")
+            async with asyncio.timeout(5):
+                while "after" not in heard:
+                    await asyncio.sleep(0.02)
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def test_the_poll_leaves_a_listen_as_the_connections_last_statement(db_url, pool):
+    """Operators and tests tell the listeners in pg_stat_activity by it."""
+    pids: list[int] = []
+    task = asyncio.create_task(db.listen_forever(
+        db_url, ("yuxi_probe", "yuxi_other"), lambda note: None, what="test listener",
+        on_connect=lambda conn: pids.append(conn.info.backend_pid), poll_seconds=POLL))
+    try:
+        async with asyncio.timeout(10):
+            while not pids:
+                await asyncio.sleep(0.02)
+        await asyncio.sleep(3 * POLL)
+        query = await scalar(pool, "SELECT query FROM pg_stat_activity WHERE pid = %s",
+                             (pids[0],))
+        assert query == 'LISTEN "yuxi_probe"'
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def test_a_claiming_worker_listener_polls_too(db_url):
+    """The claims connection (whose connect records the claimer's pid) makes
+    the same round trip: before, its poll only read the pid, so a silent
+    peer went unnoticed."""
+    async with Relay(*_target(db_url)) as relay:
+        listener = WorkerListener(_through(db_url, relay), poll_seconds=POLL)
+        listener.on_ready, listener.claimer_host = (lambda payload: None), "test-host"
+        listener.start()
+        try:
+            assert await listener.ready(10)
+            first = listener.pid
+            relay.freeze()
+            async with asyncio.timeout(15):
+                while listener.pid == first or not listener._ready.is_set():
+                    await asyncio.sleep(0.05)
+            assert listener.claimer == listener.pid != first
+        finally:
+            listener.stop_claiming()
+            if listener._task is not None:
+                listener._task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await listener._task
