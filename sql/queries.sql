@@ -151,6 +151,17 @@ SELECT * FROM yuxi.claim_run_v1(%(run_id)s, %(job_id)s, %(token)s, %(lease_secon
                                 %(mark)s, %(host)s, %(claimer)s)
 WHERE id IS NOT NULL;
 
+-- name: end_former_claimer
+-- A worker's claims connection, made again, ends the one before it if the
+-- server still holds it (the peer went silent, the server did not notice):
+-- listed among the claimers (yuxi.claimers_v1), it would be announced runs
+-- nobody claims. Only a backend under this connection's claimer name: a pid
+-- another client has since been given is left alone.
+SELECT pg_terminate_backend(pid) AS ended
+FROM pg_stat_activity
+WHERE pid = %(pid)s AND pid <> pg_backend_pid() AND datname = current_database()
+  AND application_name = current_setting('application_name');
+
 -- name: heartbeat_run
 SELECT yuxi.heartbeat_run_v1(%(run_id)s, %(token)s, %(lease_seconds)s) AS held;
 

@@ -204,12 +204,13 @@ async def transaction(pool: AsyncConnectionPool) -> AsyncIterator[psycopg.AsyncC
 
 async def listen_forever(url: str, channels: tuple[str, ...] | Callable[[], tuple[str, ...]],
                          on_note, *, what: str,
-                         on_connect=None, on_disconnect=None,
+                         on_open=None, on_connect=None, on_disconnect=None,
                          poll_seconds: float = 5.0) -> None:
     """A process's LISTEN connection on `channels` (or on what `channels()`
     returns at each connect), kept up for good: each notification goes to
     `on_note`; a lost connection is reopened with backoff (0.2 s doubling
-    to 5 s). `on_connect(conn)` runs once listening (the notifications sent
+    to 5 s). `on_open(conn)`, a coroutine, runs before the LISTENs;
+    `on_connect(conn)` runs once listening (the notifications sent
     while disconnected are gone: catch up there), `on_disconnect()` when the
     connection is lost. Runs until cancelled.
 
@@ -228,6 +229,8 @@ async def listen_forever(url: str, channels: tuple[str, ...] | Callable[[], tupl
                 # Quoted: Procrastinate's channels hold '#' and '@'.
                 listens = [sql.SQL("LISTEN {}").format(sql.Identifier(channel))
                            for channel in (channels() if callable(channels) else channels)]
+                if on_open is not None:
+                    await on_open(conn)
                 for listen in listens:
                     await conn.execute(listen)
                 backoff = 0.2

@@ -15,13 +15,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from tests.integration.helpers import scalar
+from tests.integration.helpers import rows, scalar
 from yuxi import db
 from yuxi.runtime.live import WorkerListener
 
 POLL = 0.2
+CLAIMERS = "SELECT pid FROM yuxi.claimers_v1()"
 
 
 class Relay:
@@ -80,6 +82,21 @@ class Relay:
         with contextlib.suppress(Exception):
             await asyncio.gather(pipe(client_reader, server_writer),
                                  pipe(server_reader, client_writer))
+
+
+def _claiming(url: str) -> WorkerListener:
+    listener = WorkerListener(url, poll_seconds=POLL)
+    listener.on_ready, listener.claimer_host = (lambda payload: None), "test-host"
+    return listener
+
+
+async def _stop(listener: WorkerListener) -> None:
+    stopped = listener.stop_claiming()
+    for task in (stopped, listener._task):
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
 
 def _through(db_url: str, relay: Relay) -> str:
@@ -142,25 +159,40 @@ async def test_the_poll_leaves_a_listen_as_the_connections_last_statement(db_url
             await task
 
 
-async def test_a_claiming_worker_listener_polls_too(db_url):
+async def test_a_claiming_worker_listener_polls_and_ends_its_former_connection(db_url, pool):
     """The claims connection (whose connect records the claimer's pid) makes
     the same round trip: before, its poll only read the pid, so a silent
-    peer went unnoticed."""
+    peer went unnoticed. Made again, it ends the former connection, which
+    the server still holds: left listed among the claimers, it would be
+    announced runs that nobody claims."""
     async with Relay(*_target(db_url)) as relay:
-        listener = WorkerListener(_through(db_url, relay), poll_seconds=POLL)
-        listener.on_ready, listener.claimer_host = (lambda payload: None), "test-host"
+        listener = _claiming(_through(db_url, relay))
         listener.start()
         try:
             assert await listener.ready(10)
             first = listener.pid
+            assert await rows(pool, CLAIMERS) == [{"pid": first}]
             relay.freeze()
             async with asyncio.timeout(15):
                 while listener.pid == first or not listener._ready.is_set():
                     await asyncio.sleep(0.05)
             assert listener.claimer == listener.pid != first
+            async with asyncio.timeout(5):  # the terminated backend's exit
+                while await rows(pool, CLAIMERS) != [{"pid": listener.pid}]:
+                    await asyncio.sleep(0.05)
         finally:
-            listener.stop_claiming()
-            if listener._task is not None:
-                listener._task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await listener._task
+            await _stop(listener)
+
+
+async def test_ending_a_former_claimer_spares_other_clients(db_url, pool):
+    """A pid under another name (a backend the server has since given the
+    pid to) is left alone."""
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as other:
+        listener = _claiming(db_url)
+        listener.pid = other.info.backend_pid  # as if it had been ours
+        listener.start()
+        try:
+            assert await listener.ready(10)
+            assert (await (await other.execute("SELECT 1")).fetchone()) == (1,)
+        finally:
+            await _stop(listener)

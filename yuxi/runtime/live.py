@@ -177,6 +177,16 @@ class WorkerListener:
         (this one has just connected): every claimer claims it."""
         return claimer == 0 or claimer == self.pid
 
+    async def _opened(self, conn: Any) -> None:
+        """A claims connection made again ends the one before it, if the
+        server still holds it (sql/queries.sql, end_former_claimer)."""
+        if self.pid is None or self.pid == conn.info.backend_pid:
+            return
+        try:
+            await db.execute(conn, "end_former_claimer", {"pid": self.pid})
+        except Exception as exc:  # not allowed, say: the server's keepalives end it
+            log.warning("the former claims connection (pid %s) stays: %s", self.pid, exc)
+
     def _connected(self, conn: Any) -> None:
         self.pid = conn.info.backend_pid
         self._ready.set()
@@ -289,9 +299,9 @@ class WorkerListener:
         # Missed notifications cost latency only: boundaries still check, and
         # a ready run's job is still in the queue.
         if self.on_ready is None:
-            channels, url = (CANCEL_CHANNEL,), self.url
+            channels, url, on_open = (CANCEL_CHANNEL,), self.url, None
         else:
-            channels = (CANCEL_CHANNEL, READY_CHANNEL)
+            channels, on_open = (CANCEL_CHANNEL, READY_CHANNEL), self._opened
             url = make_conninfo(self.url, application_name=f"{CLAIMER}{self.claimer_host}"[:63])
 
         def chosen() -> tuple[str, ...]:
@@ -301,7 +311,8 @@ class WorkerListener:
             return every
 
         await db.listen_forever(url, chosen, self._note,
-                                what="worker listener", on_connect=self._connected,
+                                what="worker listener", on_open=on_open,
+                                on_connect=self._connected,
                                 on_disconnect=self._ready.clear, poll_seconds=self.poll_seconds)
 
 
