@@ -225,7 +225,9 @@ async def listen_forever(url: str, channels: tuple[str, ...] | Callable[[], tupl
     backoff = 0.2
     while True:
         try:
-            async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+            # A deadline on the connect too: a silent server would hold it for minutes.
+            async with await psycopg.AsyncConnection.connect(
+                    url, autocommit=True, connect_timeout=CONNECT_TIMEOUT) as conn:
                 # Quoted: Procrastinate's channels hold '#' and '@'.
                 listens = [sql.SQL("LISTEN {}").format(sql.Identifier(channel))
                            for channel in (channels() if callable(channels) else channels)]

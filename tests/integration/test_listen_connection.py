@@ -32,6 +32,7 @@ class Relay:
     def __init__(self, host: str, port: int) -> None:
         self.host, self.port = host, port
         self.frozen: list[asyncio.Event] = []  # one per relayed connection
+        self.silent = False  # new connections too pass nothing
         self.server: asyncio.Server | None = None
         self.tasks: set[asyncio.Task] = set()
         self.writers: list[asyncio.StreamWriter] = []
@@ -69,6 +70,8 @@ class Relay:
             server_reader, server_writer = await asyncio.open_connection(self.host, self.port)
         self.writers.append(server_writer)
         frozen = asyncio.Event()
+        if self.silent:
+            frozen.set()
         self.frozen.append(frozen)
 
         async def pipe(reader, writer) -> None:
@@ -133,6 +136,29 @@ async def test_a_listener_whose_peer_went_silent_connects_again(db_url, pool):
             async with asyncio.timeout(5):
                 while "after" not in heard:
                     await asyncio.sleep(0.02)
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def test_a_connect_that_gets_no_answer_is_tried_again(db_url, monkeypatch):
+    """A silent server holds a connect for minutes (TCP's own retries): the
+    connect has a deadline too (db.CONNECT_TIMEOUT; 2 s, libpq's least)."""
+    monkeypatch.setattr(db, "CONNECT_TIMEOUT", 2)
+    connects: list[int] = []
+    async with Relay(*_target(db_url)) as relay:
+        relay.silent = True
+        task = asyncio.create_task(db.listen_forever(
+            _through(db_url, relay), ("yuxi_probe",), lambda note: None, what="test listener",
+            on_connect=lambda conn: connects.append(conn.info.backend_pid), poll_seconds=POLL))
+        try:
+            await asyncio.sleep(0.5)  # the first connect is under way, and gets no answer
+            assert relay.frozen and not connects
+            relay.silent = False
+            async with asyncio.timeout(10):
+                while not connects:
+                    await asyncio.sleep(0.05)
         finally:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
