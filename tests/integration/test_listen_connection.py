@@ -93,13 +93,37 @@ def _claiming(url: str) -> WorkerListener:
     return listener
 
 
+async def _cancel(task: asyncio.Task | None) -> None:
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 async def _stop(listener: WorkerListener) -> None:
     stopped = listener.stop_claiming()
-    for task in (stopped, listener._task):
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+    await _cancel(stopped)
+    await _cancel(listener._task)
+
+
+async def _until(condition, timeout: float) -> None:
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def _listening(url: str, channels: tuple[str, ...], on_note=lambda note: None):
+    """db.listen_forever in a task for the block; yields the backend pid of
+    each connection it made (appended at each connect)."""
+    connects: list[int] = []
+    task = asyncio.create_task(db.listen_forever(
+        url, channels, on_note, what="test listener",
+        on_connect=lambda conn: connects.append(conn.info.backend_pid), poll_seconds=POLL))
+    try:
+        yield connects
+    finally:
+        await _cancel(task)
 
 
 def _through(db_url: str, relay: Relay) -> str:
@@ -113,76 +137,42 @@ def _target(db_url: str) -> tuple[str, int]:
 
 
 async def test_a_listener_whose_peer_went_silent_connects_again(db_url, pool):
-    connects: list[int] = []
     heard: list[str] = []
-    async with Relay(*_target(db_url)) as relay:
-        task = asyncio.create_task(db.listen_forever(
-            _through(db_url, relay), ("yuxi_probe",), lambda note: heard.append(note.payload),
-            what="test listener", on_connect=lambda conn: connects.append(conn.info.backend_pid),
-            poll_seconds=POLL))
-        try:
-            async with asyncio.timeout(10):
-                while not connects:
-                    await asyncio.sleep(0.02)
-            await asyncio.sleep(3 * POLL)  # polls answered: the same connection
-            assert len(connects) == 1
-            relay.freeze()
-            # Psycopg's own cancel of the unanswered poll takes up to 5 s more.
-            async with asyncio.timeout(15):
-                while len(connects) < 2:
-                    await asyncio.sleep(0.05)
-            async with pool.connection() as conn:
-                await conn.execute("NOTIFY yuxi_probe, 'after'")
-            async with asyncio.timeout(5):
-                while "after" not in heard:
-                    await asyncio.sleep(0.02)
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+    async with Relay(*_target(db_url)) as relay, _listening(
+            _through(db_url, relay), ("yuxi_probe",),
+            lambda note: heard.append(note.payload)) as connects:
+        await _until(lambda: connects, 10)
+        await asyncio.sleep(3 * POLL)  # polls answered: the same connection
+        assert len(connects) == 1
+        relay.freeze()
+        # Psycopg's own cancel of the unanswered poll takes up to 10 s more.
+        await _until(lambda: len(connects) == 2, 15)
+        async with pool.connection() as conn:
+            await conn.execute("NOTIFY yuxi_probe, 'after'")
+        await _until(lambda: "after" in heard, 5)
 
 
 async def test_a_connect_that_gets_no_answer_is_tried_again(db_url, monkeypatch):
     """A silent server holds a connect for minutes (TCP's own retries): the
     connect has a deadline too (db.CONNECT_TIMEOUT; 2 s, libpq's least)."""
     monkeypatch.setattr(db, "CONNECT_TIMEOUT", 2)
-    connects: list[int] = []
     async with Relay(*_target(db_url)) as relay:
         relay.silent = True
-        task = asyncio.create_task(db.listen_forever(
-            _through(db_url, relay), ("yuxi_probe",), lambda note: None, what="test listener",
-            on_connect=lambda conn: connects.append(conn.info.backend_pid), poll_seconds=POLL))
-        try:
+        async with _listening(_through(db_url, relay), ("yuxi_probe",)) as connects:
             await asyncio.sleep(0.5)  # the first connect is under way, and gets no answer
             assert relay.frozen and not connects
             relay.silent = False
-            async with asyncio.timeout(10):
-                while not connects:
-                    await asyncio.sleep(0.05)
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await _until(lambda: connects, 10)
 
 
 async def test_the_poll_leaves_a_listen_as_the_connections_last_statement(db_url, pool):
     """Operators and tests tell the listeners in pg_stat_activity by it."""
-    pids: list[int] = []
-    task = asyncio.create_task(db.listen_forever(
-        db_url, ("yuxi_probe", "yuxi_other"), lambda note: None, what="test listener",
-        on_connect=lambda conn: pids.append(conn.info.backend_pid), poll_seconds=POLL))
-    try:
-        async with asyncio.timeout(10):
-            while not pids:
-                await asyncio.sleep(0.02)
+    async with _listening(db_url, ("yuxi_probe", "yuxi_other")) as connects:
+        await _until(lambda: connects, 10)
         await asyncio.sleep(3 * POLL)
         query = await scalar(pool, "SELECT query FROM pg_stat_activity WHERE pid = %s",
-                             (pids[0],))
+                             (connects[0],))
         assert query == 'LISTEN "yuxi_probe"'
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 async def test_a_claiming_worker_listener_polls_and_ends_its_former_connection(db_url, pool):
@@ -199,13 +189,11 @@ async def test_a_claiming_worker_listener_polls_and_ends_its_former_connection(d
             first = listener.pid
             assert await rows(pool, CLAIMERS) == [{"pid": first}]
             relay.freeze()
-            async with asyncio.timeout(15):
-                while listener.pid == first or not listener._ready.is_set():
-                    await asyncio.sleep(0.05)
+            await _until(lambda: listener.pid != first and listener._ready.is_set(), 15)
             assert listener.claimer == listener.pid != first
             async with asyncio.timeout(5):  # the terminated backend's exit
                 while await rows(pool, CLAIMERS) != [{"pid": listener.pid}]:
-                    await asyncio.sleep(0.05)
+                    await asyncio.sleep(0.02)
         finally:
             await _stop(listener)
 
