@@ -18,6 +18,7 @@ import contextlib
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from tests.e2e.helpers import wait_for
 from tests.integration.helpers import rows, scalar
 from yuxi import db
 from yuxi.runtime.live import WorkerListener
@@ -87,6 +88,10 @@ class Relay:
                                  pipe(server_reader, client_writer))
 
 
+async def _claimers_are(pool, pids: list[int]) -> bool:
+    return await rows(pool, CLAIMERS) == [{"pid": pid} for pid in pids]
+
+
 def _claiming(url: str) -> WorkerListener:
     listener = WorkerListener(url, poll_seconds=POLL)
     listener.on_ready, listener.claimer_host = (lambda payload: None), "test-host"
@@ -106,10 +111,9 @@ async def _stop(listener: WorkerListener) -> None:
     await _cancel(listener._task)
 
 
-async def _until(condition, timeout: float) -> None:
-    async with asyncio.timeout(timeout):
-        while not condition():
-            await asyncio.sleep(0.02)
+async def _until(condition, timeout: float, what: str) -> None:
+    """tests.e2e.helpers.wait_for on a plain condition."""
+    await wait_for(lambda: asyncio.sleep(0, condition()), timeout, what, interval=0.02)
 
 
 @contextlib.asynccontextmanager
@@ -141,15 +145,15 @@ async def test_a_listener_whose_peer_went_silent_connects_again(db_url, pool):
     async with Relay(*_target(db_url)) as relay, _listening(
             _through(db_url, relay), ("yuxi_probe",),
             lambda note: heard.append(note.payload)) as connects:
-        await _until(lambda: connects, 10)
+        await _until(lambda: connects, 10, "a connection")
         await asyncio.sleep(3 * POLL)  # polls answered: the same connection
         assert len(connects) == 1
         relay.freeze()
         # Psycopg's own cancel of the unanswered poll takes up to 10 s more.
-        await _until(lambda: len(connects) == 2, 15)
+        await _until(lambda: len(connects) == 2, 15, "a second connection")
         async with pool.connection() as conn:
             await conn.execute("NOTIFY yuxi_probe, 'after'")
-        await _until(lambda: "after" in heard, 5)
+        await _until(lambda: "after" in heard, 5, "the NOTIFY after it")
 
 
 async def test_a_connect_that_gets_no_answer_is_tried_again(db_url, monkeypatch):
@@ -162,13 +166,13 @@ async def test_a_connect_that_gets_no_answer_is_tried_again(db_url, monkeypatch)
             await asyncio.sleep(0.5)  # the first connect is under way, and gets no answer
             assert relay.frozen and not connects
             relay.silent = False
-            await _until(lambda: connects, 10)
+            await _until(lambda: connects, 10, "a connection")
 
 
 async def test_the_poll_leaves_a_listen_as_the_connections_last_statement(db_url, pool):
     """Operators and tests tell the listeners in pg_stat_activity by it."""
     async with _listening(db_url, ("yuxi_probe", "yuxi_other")) as connects:
-        await _until(lambda: connects, 10)
+        await _until(lambda: connects, 10, "a connection")
         await asyncio.sleep(3 * POLL)
         query = await scalar(pool, "SELECT query FROM pg_stat_activity WHERE pid = %s",
                              (connects[0],))
@@ -187,13 +191,14 @@ async def test_a_claiming_worker_listener_polls_and_ends_its_former_connection(d
         try:
             assert await listener.ready(10)
             first = listener.pid
-            assert await rows(pool, CLAIMERS) == [{"pid": first}]
+            assert await _claimers_are(pool, [first])
             relay.freeze()
-            await _until(lambda: listener.pid != first and listener._ready.is_set(), 15)
+            await _until(lambda: listener.pid != first and listener._ready.is_set(), 15,
+                         "the claims connection made again")
             assert listener.claimer == listener.pid != first
-            async with asyncio.timeout(5):  # the terminated backend's exit
-                while await rows(pool, CLAIMERS) != [{"pid": listener.pid}]:
-                    await asyncio.sleep(0.02)
+            # The terminated backend's exit.
+            await wait_for(lambda: _claimers_are(pool, [listener.pid]), 5,
+                           "the former claims backend gone", interval=0.02)
         finally:
             await _stop(listener)
 

@@ -179,8 +179,9 @@ class WorkerListener:
 
     async def _opened(self, conn: Any) -> None:
         """A claims connection made again ends the one before it, if the
-        server still holds it (sql/queries.sql, end_former_claimer)."""
-        if self.pid is None or self.pid == conn.info.backend_pid:
+        server still holds it (sql/queries.sql, end_former_claimer, which
+        spares this connection and any backend under another name)."""
+        if self.pid is None:
             return
         try:
             await db.execute(conn, "end_former_claimer", {"pid": self.pid})
