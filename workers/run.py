@@ -2,7 +2,9 @@
 `yuxi worker` supervises and `yuxi dev` starts).
 
 Procrastinate's worker stops (and `procrastinate worker` exits with status 0)
-when its LISTEN connection or its heartbeat meets a database error. Here the
+when its heartbeat meets a database error. (Its job notifications come through
+this process's WorkerListener, which reconnects by itself:
+workers.app.WorkerConnector.) Here the
 database going away is no reason to exit: the worker is started again in the
 same process once the database answers, with backoff, and says so. In-flight
 runs are not lost meanwhile: a run cut off by the outage is reported as an
