@@ -503,3 +503,11 @@ ORDER BY position;
 -- name: conversation_last
 SELECT position, message_id FROM yuxi.conversation
 WHERE session_id = %(session_id)s ORDER BY position DESC LIMIT 1;
+
+-- A LISTEN connection's TCP keepalives and user timeout (db.listen_forever),
+-- for this session only; ignored on a Unix socket.
+-- name: listener_timeouts
+SELECT set_config('tcp_keepalives_idle', %(idle)s, false),
+       set_config('tcp_keepalives_interval', %(interval)s, false),
+       set_config('tcp_keepalives_count', %(count)s, false),
+       set_config('tcp_user_timeout', %(user_timeout)s, false);

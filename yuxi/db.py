@@ -98,6 +98,14 @@ CONNECT_TIMEOUT = 5
 # few seconds caps it: the next request that needs a connection starts a
 # fresh attempt at once, so a pool is back within seconds of its server.
 RECONNECT_TIMEOUT = 4.0
+# Seconds after which the server ends a LISTEN connection whose peer is gone
+# without a word (a powered-off host, a dropped route): its TCP keepalives
+# go unanswered, or notifications it sends stay unacknowledged. Without it
+# the server holds such a backend for about two hours (the kernel's
+# keepalive default): a worker's stays listed among the claimers, and one
+# blocked sending notifications holds back the cleanup of the server's
+# NOTIFY queue, which every listener shares.
+PEER_GONE_SECONDS = 30
 
 
 def with_search_path(url: str, schema: str) -> str:
@@ -202,6 +210,17 @@ async def transaction(pool: AsyncConnectionPool) -> AsyncIterator[psycopg.AsyncC
         yield conn
 
 
+def _listener_timeouts(gone_seconds: float) -> dict[str, str]:
+    """The server's TCP settings that end a connection whose peer has been
+    silent for about `gone_seconds`: the first keepalive after a third of
+    it, then 3 probes a sixth apart; data left unacknowledged as long (a
+    zero window included) ends it too."""
+    return {"idle": str(max(1, round(gone_seconds / 3))),
+            "interval": str(max(1, round(gone_seconds / 6))),
+            "count": "3",
+            "user_timeout": str(max(1, round(gone_seconds * 1000)))}
+
+
 async def listen_forever(url: str, channels: tuple[str, ...] | Callable[[], tuple[str, ...]],
                          on_note, *, what: str,
                          on_open=None, on_connect=None, on_disconnect=None,
@@ -220,7 +239,9 @@ async def listen_forever(url: str, channels: tuple[str, ...] | Callable[[], tupl
     server) would otherwise leave it deaf for good. The round trip is the
     first channel's LISTEN again, a no-op in the server, so the connection's
     last statement stays a LISTEN: how operators and tests tell listeners
-    in pg_stat_activity."""
+    in pg_stat_activity. The server side, in turn, ends the connection of a
+    peer gone for good within PEER_GONE_SECONDS (TCP keepalives and
+    tcp_user_timeout, set per connection; a Unix socket has neither)."""
     log = logging.getLogger("yuxi.listen")
     backoff = 0.2
     while True:
@@ -231,6 +252,8 @@ async def listen_forever(url: str, channels: tuple[str, ...] | Callable[[], tupl
                 # Quoted: Procrastinate's channels hold '#' and '@'.
                 listens = [sql.SQL("LISTEN {}").format(sql.Identifier(channel))
                            for channel in (channels() if callable(channels) else channels)]
+                await conn.execute(QUERIES["listener_timeouts"],
+                                   _listener_timeouts(PEER_GONE_SECONDS))
                 if on_open is not None:
                     await on_open(conn)
                 for listen in listens:

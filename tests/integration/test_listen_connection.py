@@ -135,6 +135,13 @@ def _through(db_url: str, relay: Relay) -> str:
     return make_conninfo(db_url, host=host, port=port)
 
 
+def _over_tcp(db_url: str) -> str:
+    """The same database over TCP: on a Unix socket the server has no TCP
+    settings (they show 0)."""
+    host = conninfo_to_dict(db_url).get("host") or ""
+    return make_conninfo(db_url, host="127.0.0.1") if host.startswith("/") else db_url
+
+
 def _target(db_url: str) -> tuple[str, int]:
     params = conninfo_to_dict(db_url)
     return params.get("host") or "127.0.0.1", int(params.get("port") or 5432)
@@ -215,3 +222,45 @@ async def test_ending_a_former_claimer_spares_other_clients(db_url, pool):
             assert (await (await other.execute("SELECT 1")).fetchone()) == (1,)
         finally:
             await _stop(listener)
+
+
+async def test_a_listener_asks_the_server_to_end_it_once_its_peer_is_gone(db_url):
+    """The server's TCP settings of each LISTEN connection (db.PEER_GONE_SECONDS)."""
+    shown: dict[str, str] = {}
+
+    async def show(conn) -> None:
+        for name in ("tcp_keepalives_idle", "tcp_keepalives_interval",
+                     "tcp_keepalives_count", "tcp_user_timeout"):
+            shown[name] = (await (await conn.execute(f"SHOW {name}")).fetchone())[0]
+
+    task = asyncio.create_task(db.listen_forever(_over_tcp(db_url), ("yuxi_probe",), lambda note: None,
+                                                 what="test listener", on_open=show))
+    try:
+        await _until(lambda: shown, 10, "a connection")
+    finally:
+        await _cancel(task)
+    assert shown == {"tcp_keepalives_idle": "10", "tcp_keepalives_interval": "5",
+                     "tcp_keepalives_count": "3", "tcp_user_timeout": "30000"}
+
+
+async def test_the_server_ends_a_listener_whose_peer_stopped_reading(db_url, pool, monkeypatch):
+    """A peer gone for good while the server had notifications to send it:
+    the backend blocks in its send (the peer's window is shut), which holds
+    back the server's NOTIFY queue for every listener. Its tcp_user_timeout
+    ends it; without it the backend waits for about two hours. (The relay's
+    kernel still answers, so this is the zero window, not silence.)"""
+    monkeypatch.setattr(db, "PEER_GONE_SECONDS", 1)
+    async with Relay(*_target(_over_tcp(db_url))) as relay, _listening(
+            _through(db_url, relay), ("yuxi_probe",)) as connects:
+        await _until(lambda: connects, 10, "a connection")
+        ghost = connects[0]
+        relay.freeze()
+        # More than the socket buffers between the backend and the relay hold.
+        async with pool.connection() as conn:
+            await conn.execute("SELECT pg_notify('yuxi_probe', repeat('x', 7990) || i)"
+                               " FROM generate_series(1, 3000) i")
+
+        async def ended() -> bool:
+            return not await rows(pool, "SELECT 1 FROM pg_stat_activity WHERE pid = %s",
+                                  (ghost,))
+        await wait_for(ended, 15, "the ghost's backend ended", interval=0.1)
