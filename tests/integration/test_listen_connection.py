@@ -233,8 +233,9 @@ async def test_a_listener_asks_the_server_to_end_it_once_its_peer_is_gone(db_url
                      "tcp_keepalives_count", "tcp_user_timeout"):
             shown[name] = (await (await conn.execute(f"SHOW {name}")).fetchone())[0]
 
-    task = asyncio.create_task(db.listen_forever(_over_tcp(db_url), ("yuxi_probe",), lambda note: None,
-                                                 what="test listener", on_open=show))
+    task = asyncio.create_task(db.listen_forever(
+        _over_tcp(db_url), ("yuxi_probe",), lambda note: None,
+        what="test listener", on_open=show))
     try:
         await _until(lambda: shown, 10, "a connection")
     finally:
