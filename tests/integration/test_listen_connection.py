@@ -249,7 +249,8 @@ async def test_the_server_ends_a_listener_whose_peer_stopped_reading(db_url, poo
     the backend blocks in its send (the peer's window is shut), which holds
     back the server's NOTIFY queue for every listener. Its tcp_user_timeout
     ends it; without it the backend waits for about two hours. (The relay's
-    kernel still answers, so this is the zero window, not silence.)"""
+    kernel still answers, so this is the zero window, not silence: Linux
+    since 5.1 ends its probing of a shut window at tcp_user_timeout.)"""
     monkeypatch.setattr(db, "PEER_GONE_SECONDS", 1)
     async with Relay(*_target(_over_tcp(db_url))) as relay, _listening(
             _through(db_url, relay), ("yuxi_probe",)) as connects:
