@@ -229,9 +229,10 @@ async def test_a_listener_asks_the_server_to_end_it_once_its_peer_is_gone(db_url
     shown: dict[str, str] = {}
 
     async def show(conn) -> None:
-        for name in ("tcp_keepalives_idle", "tcp_keepalives_interval",
-                     "tcp_keepalives_count", "tcp_user_timeout"):
-            shown[name] = (await (await conn.execute(f"SHOW {name}")).fetchone())[0]
+        # All four at once: the wait below ends as soon as `shown` is filled.
+        shown.update({name: (await (await conn.execute(f"SHOW {name}")).fetchone())[0]
+                      for name in ("tcp_keepalives_idle", "tcp_keepalives_interval",
+                                   "tcp_keepalives_count", "tcp_user_timeout")})
 
     task = asyncio.create_task(db.listen_forever(
         _over_tcp(db_url), ("yuxi_probe",), lambda note: None,
