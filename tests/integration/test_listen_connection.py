@@ -117,12 +117,13 @@ async def _until(condition, timeout: float, what: str) -> None:
 
 
 @contextlib.asynccontextmanager
-async def _listening(url: str, channels: tuple[str, ...], on_note=lambda note: None):
+async def _listening(url: str, channels: tuple[str, ...], on_note=lambda note: None,
+                     on_open=None):
     """db.listen_forever in a task for the block; yields the backend pid of
     each connection it made (appended at each connect)."""
     connects: list[int] = []
     task = asyncio.create_task(db.listen_forever(
-        url, channels, on_note, what="test listener",
+        url, channels, on_note, what="test listener", on_open=on_open,
         on_connect=lambda conn: connects.append(conn.info.backend_pid), poll_seconds=POLL))
     try:
         yield connects
@@ -234,13 +235,8 @@ async def test_a_listener_asks_the_server_to_end_it_once_its_peer_is_gone(db_url
                       for name in ("tcp_keepalives_idle", "tcp_keepalives_interval",
                                    "tcp_keepalives_count", "tcp_user_timeout")})
 
-    task = asyncio.create_task(db.listen_forever(
-        _over_tcp(db_url), ("yuxi_probe",), lambda note: None,
-        what="test listener", on_open=show))
-    try:
+    async with _listening(_over_tcp(db_url), ("yuxi_probe",), on_open=show):
         await _until(lambda: shown, 10, "a connection")
-    finally:
-        await _cancel(task)
     assert shown == {"tcp_keepalives_idle": "10", "tcp_keepalives_interval": "5",
                      "tcp_keepalives_count": "3", "tcp_user_timeout": "30000"}
 
