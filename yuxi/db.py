@@ -252,8 +252,7 @@ async def listen_forever(url: str, channels: tuple[str, ...] | Callable[[], tupl
                 # Quoted: Procrastinate's channels hold '#' and '@'.
                 listens = [sql.SQL("LISTEN {}").format(sql.Identifier(channel))
                            for channel in (channels() if callable(channels) else channels)]
-                await conn.execute(QUERIES["listener_timeouts"],
-                                   _listener_timeouts(PEER_GONE_SECONDS))
+                await execute(conn, "listener_timeouts", _listener_timeouts(PEER_GONE_SECONDS))
                 if on_open is not None:
                     await on_open(conn)
                 for listen in listens:
