@@ -11,8 +11,8 @@ One run, one process tree, one fresh database (dropped and recreated):
     turns over HTTP at once (C requests in flight) across S fresh sessions of
     a one-step replay agent (N / S turns each, in FIFO order) and waits for
     them; the warm-up runs on S sessions of its own. A turn's latency is the time
-    from its 202 receipt (client clock) to the NOTIFY of its `turn.completed`
-    event's transaction (same clock: this process LISTENs on `yuxi_events`).
+    from its 202 receipt (client clock) to the NOTIFY of the transaction that
+    ended it (same clock: this process LISTENs on `yuxi_turns`).
     A round's turns/s = N / (its last completion - its first submission);
     the phase's rate is the median of its rounds.
 (b) direct: the same graph (`build_graph`, the same replay model, a no-op
@@ -319,72 +319,47 @@ def _stop_profiler(profiler: Any, opts: Options, name: str) -> None:
 
 
 # --------------------------------------------------------------------------
-# Completion watcher: LISTEN yuxi_events, map NOTIFYs to terminal turn events
+# Completion watcher: LISTEN yuxi_turns, the NOTIFY of each turn's end
 
 
 class CompletionWatcher:
-    """Records, per turn id, the client time at which the NOTIFY of its
-    terminal event arrived. The NOTIFY is sent at the commit of the turn's
-    result, so its arrival is the moment the result is committed (plus the
-    delivery delay), on the same clock as the receipt.
-
-    A payload is a tree id (one per transaction that wrote events of that
-    tree). Every 20 ms the terminal turn events of the notified trees are
-    read after a cursor; each gets the arrival time of the last notification
-    of its tree before the read (so the error is at most ~20 ms)."""
+    """Records, per turn id, the client time at which the NOTIFY of its end
+    arrived: `yuxi_turns`, whose payload is the turn's id, is sent by the
+    transaction that ends the turn, so its arrival is the moment the result
+    is committed (plus the delivery delay), on the same clock as the
+    receipt. (As a `?wait` request is woken; the trees' `yuxi_events` go
+    only to watchers, yuxi.event_watches, and nobody watches here.) How each
+    turn ended is read once, after the measurement (`statuses`)."""
 
     def __init__(self, url: str) -> None:
         self.url = url
-        self.done: dict[str, tuple[float, str]] = {}
+        self.done: dict[str, float] = {}
         self.queries = 0  # transactions this watcher ran (not the system's)
-        self._by_tree: dict[str, float] = {}
-        self._cursors: dict[str, int] = {}
         self._tasks: list[asyncio.Task] = []
         self._changed = asyncio.Event()
 
     async def start(self) -> None:
         self._listen_conn = await psycopg.AsyncConnection.connect(self.url, autocommit=True)
-        self._query_conn = await psycopg.AsyncConnection.connect(self.url, autocommit=True)
-        await self._listen_conn.execute("LISTEN yuxi_events")
+        await self._listen_conn.execute("LISTEN yuxi_turns")
         self.queries += 1
-        self._tasks = [asyncio.create_task(self._listen()), asyncio.create_task(self._resolve())]
+        self._tasks = [asyncio.create_task(self._listen())]
 
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._listen_conn.close()
-        await self._query_conn.close()
 
     async def _listen(self) -> None:
         async for note in self._listen_conn.notifies():
-            self._by_tree[note.payload.strip()] = time.perf_counter()
+            self.done.setdefault(note.payload, time.perf_counter())
+            self._changed.set()
 
-    async def _resolve(self) -> None:
-        while True:
-            await asyncio.sleep(0.02)
-            if self._by_tree:
-                await self._resolve_trees()
-
-    async def _resolve_trees(self) -> None:
-        batch, self._by_tree = self._by_tree, {}
-        trees = list(batch)
-        # One index range scan per tree (the LIMIT keeps the planner from
-        # flattening it into a hash join over a sequential scan of every
-        # event, which cost ~3 ms a read and ~0.8 ms of the server's CPU per
-        # turn: the harness's, charged to the system it measures).
-        cur = await self._query_conn.execute(
-            "SELECT k.tree_id::text, e.seq, e.turn_id::text, e.type "
-            "FROM unnest(%s::uuid[], %s::bigint[]) AS k(tree_id, after) "
-            "CROSS JOIN LATERAL (SELECT seq, turn_id, type FROM yuxi.events "
-            "  WHERE tree_id = k.tree_id AND seq > k.after ORDER BY seq LIMIT 100000) e "
-            "WHERE e.type = ANY(%s)",
-            (trees, [self._cursors.get(t, 0) for t in trees], list(TERMINAL_TURN_EVENTS)))
-        self.queries += 1
-        for tree, seq, turn_id, type_ in await cur.fetchall():
-            self._cursors[tree] = max(seq, self._cursors.get(tree, 0))
-            self.done.setdefault(turn_id, (batch[tree], type_))
-        self._changed.set()
+    async def statuses(self, turn_ids: set[str]) -> dict[str, str]:
+        async with await psycopg.AsyncConnection.connect(self.url, autocommit=True) as conn:
+            cur = await conn.execute("SELECT id::text, status FROM yuxi.turns WHERE id = ANY(%s)",
+                                     (list(turn_ids),))
+            return dict(await cur.fetchall())
 
     async def wait_for(self, turn_ids: set[str], timeout: float,
                        procs: list[Proc] = ()) -> None:
@@ -500,7 +475,7 @@ async def run_system(opts: Options, key: str, agent_id: uuid.UUID,
                 await _submit(clients, jobs, got)
                 ids = {v[0] for v in got.values()}
                 await watcher.wait_for(ids, opts.timeout, procs)
-                return opts.turns / (max(watcher.done[t][0] for t in ids) - began), got
+                return opts.turns / (max(watcher.done[t] for t in ids) - began), got
 
             # Warm-up (not counted): first turns of the sessions, pools grow.
             if opts.warmup:
@@ -556,11 +531,12 @@ async def run_system(opts: Options, key: str, agent_id: uuid.UUID,
         for proc in procs:
             proc.stop()
 
-    end = max(watcher.done[t][0] for t in turn_ids)
-    latencies, early, failed = [], 0, 0
+    end = max(watcher.done[t] for t in turn_ids)
+    latencies, early = [], 0
+    failed = sum(status != "completed"
+                 for status in (await watcher.statuses(turn_ids)).values())
     for turn_id, _sent, received in receipts.values():
-        done_at, type_ = watcher.done[turn_id]
-        failed += type_ != "turn.completed"
+        done_at = watcher.done[turn_id]
         if done_at < received:
             early += 1
         latencies.append(max(0.0, done_at - received) * 1000)

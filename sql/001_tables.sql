@@ -295,6 +295,22 @@ CREATE UNIQUE INDEX events_dedupe_idx ON yuxi.events (tree_id, dedupe_key)
 -- session's events are read through the primary key (tree_id, seq); one index
 -- less to maintain on the table written most.
 
+-- Who listens for a tree's events (issue 15): a row per tree (the nil uuid:
+-- every tree) and listening backend (`pid`, the LISTEN connection's). A
+-- transaction that writes events sends `yuxi_events` only when its tree is
+-- watched: NOTIFY makes a commit take a cluster-wide lock until it is
+-- flushed (PostgreSQL serializes notifying commits to keep the queue in
+-- commit order) and wakes every listening backend of the database, so an
+-- unwatched tree's writes (most of them: background work, clients on `?wait`)
+-- skip both. UNLOGGED: after a server crash every LISTEN connection is gone
+-- too, and each listener registers again when it reconnects.
+CREATE UNLOGGED TABLE yuxi.event_watches (
+    tree_id uuid NOT NULL,
+    pid integer NOT NULL,
+    since timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (tree_id, pid)
+);
+
 -- A frozen config is stored again and again (the session's, each input's
 -- snapshot, each run's; a fan-out's children three times each). With lz4
 -- (when the server was built with it) a 5 KB config compresses ~6x faster

@@ -27,6 +27,54 @@ BEGIN
 END;
 $$;
 
+-- Event watches (yuxi.event_watches). A watch of one tree first waits for the
+-- tree's writers in flight (FOR SHARE conflicts with their FOR UPDATE of the
+-- tree row): a writer that committed before the watch did is read by the
+-- watcher's first read after this commits, and every later writer takes
+-- the tree lock after the watch committed, so its check (a new snapshot,
+-- after the lock) sees it and it notifies. `p_tree` NULL watches every tree
+-- (an operator's psql session): writers in flight meanwhile may commit
+-- without a notification, so read after watching.
+CREATE FUNCTION yuxi.watch_events_v1(p_tree uuid, p_pid integer DEFAULT pg_backend_pid())
+    RETURNS void
+    LANGUAGE plpgsql AS $$
+BEGIN
+    IF p_tree IS NOT NULL THEN
+        PERFORM 1 FROM yuxi.trees WHERE id = p_tree FOR SHARE;
+    END IF;
+    INSERT INTO yuxi.event_watches (tree_id, pid)
+    VALUES (coalesce(p_tree, '00000000-0000-0000-0000-000000000000'), p_pid)
+    ON CONFLICT DO NOTHING;
+END;
+$$;
+
+CREATE FUNCTION yuxi.unwatch_events_v1(p_tree uuid, p_pid integer DEFAULT pg_backend_pid())
+    RETURNS void
+    LANGUAGE sql AS $$
+    DELETE FROM yuxi.event_watches
+     WHERE tree_id = coalesce(p_tree, '00000000-0000-0000-0000-000000000000') AND pid = p_pid;
+$$;
+
+-- Watches of backends that are gone (a listener that lost its connection, a
+-- psql session that ended): they only cost notifications nobody reads.
+-- `p_pid`: a backend whose watches go too (a listener's previous connection).
+CREATE FUNCTION yuxi.forget_watches_v1(p_pid integer DEFAULT NULL) RETURNS integer
+    LANGUAGE sql AS $$
+    WITH gone AS (
+        DELETE FROM yuxi.event_watches w
+         WHERE w.pid = p_pid
+            OR NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.pid = w.pid)
+        RETURNING 1)
+    SELECT count(*)::integer FROM gone;
+$$;
+
+-- Whether a tree's event transactions notify `yuxi_events` (and deltas go out).
+CREATE FUNCTION yuxi.events_watched_v1(p_tree uuid) RETURNS boolean
+    LANGUAGE sql STABLE AS $$
+    SELECT EXISTS (SELECT 1 FROM yuxi.event_watches
+                    WHERE tree_id IN (p_tree, '00000000-0000-0000-0000-000000000000'));
+$$;
+
 -- The types of events that waits look at (match_waits_v1): a turn reaching
 -- a terminal or waiting state, a message sent.
 CREATE FUNCTION yuxi.event_wakes_waits_v1(p_type text) RETURNS boolean
@@ -36,15 +84,16 @@ CREATE FUNCTION yuxi.event_wakes_waits_v1(p_type text) RETURNS boolean
 $$;
 
 -- Append an event with the tree's next sequence number and notify listeners
--- of the tree (delivered at commit; the payload is the tree id only, so the
--- events of one transaction make one notification). The number is the tree's
--- last one + 1, read under the tree row lock that every writer holds until it
--- commits: numbers are gap-free and commit in order, and the tree row is only
--- locked, never rewritten, per event. (Without the lock a concurrent writer
--- would read the same last number, wait on the primary key, and fail once
--- the first commits.) A non-null dedupe_key that was already recorded in this
--- tree makes this a no-op returning NULL: a step re-executed after a crash
--- reports its fact once, and no sequence number is skipped.
+-- of the tree when it is watched (delivered at commit; the payload is the
+-- tree id only, so the events of one transaction make one notification).
+-- The number is the tree's last one + 1, read under the tree row lock that
+-- every writer holds until it commits: numbers are gap-free and commit in
+-- order, and the tree row is only locked, never rewritten, per event.
+-- (Without the lock a concurrent writer would read the same last number,
+-- wait on the primary key, and fail once the first commits.) A non-null
+-- dedupe_key that was already recorded in this tree makes this a no-op
+-- returning NULL: a step re-executed after a crash reports its fact once,
+-- and no sequence number is skipped.
 CREATE FUNCTION yuxi.emit_event_v1(
     p_tree uuid, p_session uuid, p_turn uuid, p_run uuid,
     p_type text, p_data jsonb DEFAULT '{}', p_dedupe_key text DEFAULT NULL
@@ -64,7 +113,9 @@ BEGIN
                              type, data, dedupe_key)
     VALUES (p_tree, v_seq, v_tree.user_id, v_tree.app_id, p_session, p_turn, p_run,
             p_type, coalesce(p_data, '{}'), p_dedupe_key);
-    PERFORM pg_notify('yuxi_events', p_tree::text);
+    IF yuxi.events_watched_v1(p_tree) THEN
+        PERFORM pg_notify('yuxi_events', p_tree::text);
+    END IF;
     IF p_type IN ('turn.completed', 'turn.failed', 'turn.cancelled') THEN
         -- Who waits for a turn's end (`?wait` of an input or a result) is
         -- woken by the turn's own notification, not by each commit of its
@@ -112,7 +163,7 @@ BEGIN
              ORDER BY coalesce(x.value->>'dedupe_key', x.o::text), x.o) e
      WHERE e.key IS NULL OR NOT EXISTS (SELECT 1 FROM yuxi.events d
                                          WHERE d.tree_id = p_tree AND d.dedupe_key = e.key);
-    IF FOUND THEN
+    IF FOUND AND yuxi.events_watched_v1(p_tree) THEN
         PERFORM pg_notify('yuxi_events', p_tree::text);
     END IF;
 END;

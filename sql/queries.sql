@@ -457,7 +457,18 @@ FROM yuxi.turns WHERE id = %(turn_id)s AND finished_at IS NOT NULL;
 SELECT yuxi.add_run_usage_v1(%(run_id)s, %(token)s, %(prompt)s, %(completion)s);
 
 -- name: notify_delta
-SELECT pg_notify('yuxi_deltas', %(payload)s);
+-- Only while someone watches the tree (yuxi.event_watches): no watcher, no
+-- notifying commit.
+SELECT pg_notify('yuxi_deltas', %(payload)s) WHERE yuxi.events_watched_v1(%(tree_id)s);
+
+-- name: watch_events
+SELECT yuxi.watch_events_v1(%(tree_id)s, %(pid)s);
+
+-- name: unwatch_events
+SELECT yuxi.unwatch_events_v1(%(tree_id)s, %(pid)s);
+
+-- name: forget_watches
+SELECT yuxi.forget_watches_v1(%(pid)s) AS forgotten;
 
 -- name: session_usage
 SELECT coalesce(sum(r.prompt_tokens), 0)::bigint AS prompt_tokens,

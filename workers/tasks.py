@@ -3,7 +3,8 @@
 `execute_run` executes one run; `resume_wait` and `expire_wait` resume
 suspended turns; `recover_runs` is the periodic sweep that recovers runs whose
 lease expired, retries jobs of dead workers and re-delivers jobs and waits
-lost between commit and pickup.
+lost between commit and pickup (and drops the event watches of backends
+that are gone).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from yuxi.heap import freeze_startup_heap
 from yuxi.metrics import WorkerMetrics
 from yuxi.runtime import cleanup, confine
 from yuxi.runtime.executor import RunExecutor
-from yuxi.services import runs, sandbox
+from yuxi.services import retention, runs, sandbox
 
 log = logging.getLogger(__name__)
 
@@ -187,12 +188,14 @@ async def recover_runs(context: JobContext, timestamp: int) -> dict[str, int]:
     # After the retries: a retried job of a dead host moves to the shared queue.
     hosts = await runs.release_dead_hosts(
         executor.pool, dt.timedelta(seconds=settings.host_timeout_seconds))
+    watches = await retention.forget_gone_watches(executor.pool)
     if metrics is not None:
         metrics.recovered({"lease_expired": len(recovered), "stalled_job": len(list(stalled)),
                            "ready_redelivered": len(redelivered), "wait": waits,
                            "cancel_cleanup": cleanups, "dead_host_sandbox": hosts})
     return {"recovered": len(recovered), "stalled": len(list(stalled)), "dead_host_sandboxes": hosts,
-            "redelivered": len(redelivered), "waits": waits, "cleanups": cleanups}
+            "redelivered": len(redelivered), "waits": waits, "cleanups": cleanups,
+            "gone_watches": watches}
 
 
 def _announce_sandbox() -> None:

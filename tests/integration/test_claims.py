@@ -125,9 +125,9 @@ async def test_a_worker_claims_only_its_queues_and_only_with_a_free_slot(
     try:
         assert await ex2.listener.ready()
         session = await new_session(pool, alice[1])
-        receipt = await sessions.receive_input(pool, alice[1], session.id, content="q")
         async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as conn:
-            await conn.execute("LISTEN yuxi_events")
+            await conn.execute("LISTEN yuxi_turns")  # the turn's end
+            receipt = await sessions.receive_input(pool, alice[1], session.id, content="q")
             async for _note in conn.notifies(timeout=10):
                 turn = await sessions.get_turn(pool, alice[1], receipt.turn_id)
                 if turn.status == "completed":

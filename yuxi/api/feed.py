@@ -452,48 +452,56 @@ class TreeFeed:
         next_scan = time.monotonic() + scan_every
         with self.hub.subscribe(self.tree_id) as wake, \
                 self.hub.subscribe_deltas(self.tree_id, wake) as deltas:
+            # The tree's transactions notify only while it is watched: the
+            # watch commits before the first read.
+            async with self.hub.watching(self.tree_id):
+                await self._follow(wake, deltas, scan_every, next_scan)
+
+    async def _follow(self, wake: asyncio.Event, deltas, scan_every: float,
+                      next_scan: float) -> None:
+        """Read and deliver at each wake-up, and send keepalives, until cancelled."""
+        while True:
+            wake.clear()  # before reading: a NOTIFY during the read wakes us again
+            woke = time.monotonic()
+            self._deltas(deltas)
+            rows = None
+            if self.capacity > 0:
+                try:
+                    if self.high is None:
+                        # Start from now: older events are replays, which
+                        # their subscribers read from the table.
+                        self.high = await _last_seq(self.pool, self.tree_id)
+                    rows = await asyncio.shield(
+                        fetch(self.pool, self.tree_id, None, self.high, BATCH))
+                except Exception as exc:
+                    if not is_connection_error(exc):
+                        log.exception("event feed of tree %s failed", self.tree_id)
+                    # read again when the hub wakes us (it does after a reconnect)
+                if rows:
+                    self._append(rows)
+            read = time.monotonic()
+            self._deliver()
+            if TRACE and rows:
+                done = time.monotonic()
+                noted = self.hub.noted_at.get(self.tree_id, woke)
+                log.warning("sse trace: %d events, %d subscribers; NOTIFY->feed awake "
+                            "%.2f ms, read %.2f ms, delivery %.2f ms", len(rows),
+                            len(self.subscribers), (woke - noted) * 1000,
+                            (read - woke) * 1000, (done - read) * 1000)
+            if rows and len(rows) == BATCH:
+                continue
             while True:
-                wake.clear()  # before reading: a NOTIFY during the read wakes us again
-                woke = time.monotonic()
-                self._deltas(deltas)
-                rows = None
-                if self.capacity > 0:
-                    try:
-                        if self.high is None:
-                            # Start from now: older events are replays, which
-                            # their subscribers read from the table.
-                            self.high = await _last_seq(self.pool, self.tree_id)
-                        rows = await asyncio.shield(
-                            fetch(self.pool, self.tree_id, None, self.high, BATCH))
-                    except Exception as exc:
-                        if not is_connection_error(exc):
-                            log.exception("event feed of tree %s failed", self.tree_id)
-                        # read again when the hub wakes us (it does after a reconnect)
-                    if rows:
-                        self._append(rows)
-                read = time.monotonic()
-                self._deliver()
-                if TRACE and rows:
-                    done = time.monotonic()
-                    noted = self.hub.noted_at.get(self.tree_id, woke)
-                    log.warning("sse trace: %d events, %d subscribers; NOTIFY->feed awake "
-                                "%.2f ms, read %.2f ms, delivery %.2f ms", len(rows),
-                                len(self.subscribers), (woke - noted) * 1000,
-                                (read - woke) * 1000, (done - read) * 1000)
-                if rows and len(rows) == BATCH:
+                now = time.monotonic()
+                if now >= next_scan:
+                    next_scan = now + scan_every
+                    for sub in list(self.subscribers.values()):
+                        sub.keepalive(now)
+                try:
+                    async with asyncio.timeout(next_scan - now):
+                        await wake.wait()
+                    break
+                except TimeoutError:
                     continue
-                while True:
-                    now = time.monotonic()
-                    if now >= next_scan:
-                        next_scan = now + scan_every
-                        for sub in list(self.subscribers.values()):
-                            sub.keepalive(now)
-                    try:
-                        async with asyncio.timeout(next_scan - now):
-                            await wake.wait()
-                        break
-                    except TimeoutError:
-                        continue
 
 
 async def _last_seq(pool, tree_id: str) -> int:

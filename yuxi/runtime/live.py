@@ -90,7 +90,8 @@ class DeltaBatcher:
             try:
                 async with self.pool.connection() as conn:
                     for payload in delta_payloads(self.ids, self._message_id, text):
-                        await db.execute(conn, "notify_delta", {"payload": payload})
+                        await db.execute(conn, "notify_delta",
+                                         {"payload": payload, "tree_id": self.ids["tree_id"]})
             except Exception as exc:  # deltas are best effort, never a failure
                 log.warning("deltas of run %s not sent: %s", self.ids["run_id"], exc)
 

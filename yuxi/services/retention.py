@@ -28,3 +28,11 @@ async def prune_events(pool: AsyncConnectionPool, before: dt.datetime) -> tuple[
                                      {"tree_id": tree_id, "before": before})
         deleted += row["deleted"]
     return len(trees), deleted
+
+
+async def forget_gone_watches(pool: AsyncConnectionPool) -> int:
+    """Drop the event watches of backends that are gone (an API process that
+    died, a psql session that ended): they only cost notifications nobody
+    reads. Returns how many went."""
+    async with pool.connection() as conn:
+        return (await db.fetch_one(conn, "forget_watches", {"pid": None}))["forgotten"]
