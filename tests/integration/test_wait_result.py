@@ -14,8 +14,8 @@ from yuxi.services import sessions
 
 
 @pytest.fixture
-async def hub(db_url):
-    hub = EventHub(db_url)
+async def hub(db_url, pool):
+    hub = EventHub(db_url, pool)
     await hub.start()
     deadline = asyncio.get_running_loop().time() + 10
     while not hub.connected:

@@ -40,7 +40,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
                            timeout=settings.db_wait_seconds)
         checkpoint_pool = db.checkpoint_pool(settings.session_database_url, max_size=4,
                                              timeout=settings.db_wait_seconds)
-        hub = EventHub(settings.session_database_url, pool=pool)
+        hub = EventHub(settings.session_database_url, pool)
         await pool.open()
         await checkpoint_pool.open()
         await hub.start()

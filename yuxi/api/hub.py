@@ -26,7 +26,6 @@ import time
 from collections import defaultdict
 
 import msgspec
-import psycopg
 from psycopg.conninfo import make_conninfo
 
 from yuxi import db
@@ -47,9 +46,9 @@ TRACE = os.environ.get("YUXI_SSE_TRACE") == "1"
 
 
 class EventHub:
-    def __init__(self, url: str, *, pool=None, poll_seconds: float = 5.0) -> None:
+    def __init__(self, url: str, pool, *, poll_seconds: float = 5.0) -> None:
         self.url = url
-        self.pool = pool  # for watches (else a connection of its own each)
+        self.pool = pool  # where watches are registered while listening
         self.poll_seconds = poll_seconds
         self.connected = False
         # Watches: how many feeds of this process follow each tree, the trees
@@ -120,14 +119,8 @@ class EventHub:
                     wanted = tree_id in self._watchers
                     if self._pid is None or wanted == (tree_id in self._watched):
                         return  # not listening: the next connection registers it
-                    params = {"tree_id": tree_id, "pid": self._pid}
-                    if self.pool is not None:
-                        async with self.pool.connection() as conn:
-                            await self._set_watch(conn, wanted, params)
-                    else:
-                        async with await psycopg.AsyncConnection.connect(
-                                self.url, autocommit=True) as conn:
-                            await self._set_watch(conn, wanted, params)
+                    async with self.pool.connection() as conn:
+                        await self._set_watch(conn, wanted, tree_id, self._pid)
                     return
             except Exception as exc:
                 if not is_connection_error(exc):
@@ -135,9 +128,10 @@ class EventHub:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
-    async def _set_watch(self, conn, wanted: bool, params: dict) -> None:
-        await db.execute(conn, "watch_events" if wanted else "unwatch_events", params)
-        (self._watched.add if wanted else self._watched.discard)(params["tree_id"])
+    async def _set_watch(self, conn, wanted: bool, tree_id: str, pid: int) -> None:
+        await db.execute(conn, "watch_events" if wanted else "unwatch_events",
+                         {"tree_id": tree_id, "pid": pid})
+        (self._watched.add if wanted else self._watched.discard)(tree_id)
 
     async def _opened(self, conn) -> None:
         """A new LISTEN connection, before it listens: its backend watches
@@ -148,8 +142,7 @@ class EventHub:
             self._watched.clear()
             pid = conn.info.backend_pid
             for tree_id in list(self._watchers):
-                await db.execute(conn, "watch_events", {"tree_id": tree_id, "pid": pid})
-                self._watched.add(tree_id)
+                await self._set_watch(conn, True, tree_id, pid)
             self._pid = self._last_pid = pid
 
     @contextlib.contextmanager

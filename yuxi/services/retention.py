@@ -5,6 +5,9 @@ by tree (one short transaction each), the events created before T that no
 reader still needs: yuxi.prune_tree_events_v1 keeps each tree's last event
 (numbers continue after it), the facts waits consume, and the whole log of a
 tree with a turn in flight.
+
+Also the watches (yuxi.event_watches) of listening backends that are gone:
+the recovery sweep drops them (`forget_gone_watches`).
 """
 
 from __future__ import annotations
