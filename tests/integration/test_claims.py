@@ -12,6 +12,7 @@ import uuid
 import psycopg
 import pytest
 
+from tests.e2e.helpers import wait_for
 from tests.integration.helpers import (
     executor, new_session, rewrite_function, rows, runs_with_status, scalar)
 from yuxi.services import runs, sessions
@@ -388,6 +389,18 @@ LISTENERS = """SELECT count(*) FROM pg_stat_activity
                   AND query ILIKE 'LISTEN%%'"""
 
 
+async def assert_no_listeners(pool) -> None:
+    """No connection listens any more. A closed connection's backend leaves
+    pg_stat_activity a moment after the client's close returns (the server
+    ends it asynchronously), so this waits for that; a connection left open
+    stays listed and fails."""
+    await wait_for(lambda: _no_listeners(pool), 5, "no LISTEN connection")
+
+
+async def _no_listeners(pool) -> bool:
+    return await scalar(pool, LISTENERS) == 0
+
+
 async def test_closed_claims_leave_no_listening_connection(pool, checkpoint_pool):
     # A worker that stops claiming with no turn watched keeps no LISTEN
     # connection: one made again at once outlived the worker (a test's
@@ -397,7 +410,7 @@ async def test_closed_claims_leave_no_listening_connection(pool, checkpoint_pool
     assert await ex.listener.ready()
     assert await scalar(pool, LISTENERS) == 1
     await ex.close_claims()
-    assert await scalar(pool, LISTENERS) == 0
+    await assert_no_listeners(pool)
     assert await scalar(pool, "SELECT count(*) FROM yuxi.claimers_v1()") == 0
 
 
@@ -457,4 +470,4 @@ async def test_procrastinate_s_jobs_are_heard_on_the_claims_connection(pool, che
         if relay is not None:
             relay.cancel()
         await ex.close_claims()
-    assert await scalar(pool, LISTENERS) == 0
+    await assert_no_listeners(pool)
