@@ -394,11 +394,9 @@ async def assert_no_listeners(pool) -> None:
     pg_stat_activity a moment after the client's close returns (the server
     ends it asynchronously), so this waits for that; a connection left open
     stays listed and fails."""
-    await wait_for(lambda: _no_listeners(pool), 5, "no LISTEN connection")
-
-
-async def _no_listeners(pool) -> bool:
-    return await scalar(pool, LISTENERS) == 0
+    async def none_listens() -> bool:
+        return await scalar(pool, LISTENERS) == 0
+    await wait_for(none_listens, 5, "no LISTEN connection")
 
 
 async def test_closed_claims_leave_no_listening_connection(pool, checkpoint_pool):
