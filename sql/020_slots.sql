@@ -58,6 +58,14 @@ CREATE TRIGGER procrastinate_jobs_notify_queue_job_inserted_v1
                        AND (new.scheduled_at IS NULL OR new.scheduled_at <= now()))
     EXECUTE PROCEDURE procrastinate.procrastinate_notify_queue_job_inserted_v1();
 
+-- A completion that hands nothing over takes the oldest due `execute_run`
+-- job of its worker's queues (take_queued_run_v1, sql/040_runs.sql): this
+-- index finds it in a few pages, past any backlog of other tasks' jobs
+-- (the scheduled deadlines of waits) that Procrastinate's own indexes
+-- would make it scan.
+CREATE INDEX procrastinate_jobs_yuxi_runs_todo ON procrastinate.procrastinate_jobs (queue_name, id)
+    WHERE status = 'todo' AND task_name = 'execute_run';
+
 -- The claiming workers listening now, from the server's own list of
 -- sessions (a worker that dies drops out with its connection): a claimer's
 -- LISTEN connection is named `yuxi-claims <host>` (yuxi.runtime.live). It

@@ -297,15 +297,92 @@ BEGIN
 END;
 $$;
 
+-- A completing or suspending transaction whose offer no run took
+-- (offer_hand_over_v1: the worker frees its place) takes the oldest queued
+-- run of the worker's queues instead, as Procrastinate's fetch would hand it
+-- out next: a ready run whose `execute_run` job is due (one not yet due was
+-- announced to a claimer that may still claim it, sql/020_slots.sql), in
+-- `runs` or the worker host's `runs@<host>`. It is leased to the worker
+-- with the offered token (run.started, `from_queue: true`) and its job is
+-- deleted: the fetch, the lease's own transaction and the job's end become
+-- this commit. Nothing here waits: the job row and the run's tree (another
+-- tree's lock, outside the lock order, as this transaction holds its own)
+-- are taken with SKIP LOCKED, so a fetch, a claim or a transition of that
+-- tree in flight keeps the run and this returns NULL. A job whose run is
+-- not ready any more (stale) is left to its fetch, a no-op. Returns the
+-- run, or NULL.
+CREATE FUNCTION yuxi.take_queued_run_v1(p_token uuid) RETURNS uuid
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_host text := yuxi.hand_over_host_v1();
+    v_job bigint;
+    v_run uuid;
+    v_taken yuxi.runs;
+BEGIN
+    IF p_token IS NULL OR nullif(current_setting('yuxi.hand_over_lease', true), '') IS NULL THEN
+        RETURN NULL;
+    END IF;
+    -- The oldest due job of each queue (procrastinate_jobs_yuxi_runs_todo:
+    -- the due ones come first in id order, so each lookup stops early,
+    -- whatever the backlog or the other tasks' scheduled jobs).
+    SELECT j.id, (j.args->>'run_id')::uuid INTO v_job, v_run
+      FROM procrastinate.procrastinate_jobs j
+     WHERE j.id = (SELECT min(c.id) FROM (
+                     (SELECT q.id FROM procrastinate.procrastinate_jobs q
+                       WHERE q.status = 'todo' AND q.task_name = 'execute_run'
+                         AND q.queue_name = 'runs'
+                         AND (q.scheduled_at IS NULL OR q.scheduled_at <= now())
+                       ORDER BY q.id LIMIT 1)
+                     UNION ALL
+                     (SELECT q.id FROM procrastinate.procrastinate_jobs q
+                       WHERE q.status = 'todo' AND q.task_name = 'execute_run'
+                         AND q.queue_name = 'runs@' || v_host
+                         AND (q.scheduled_at IS NULL OR q.scheduled_at <= now())
+                       ORDER BY q.id LIMIT 1)) c)
+       AND j.status = 'todo'
+       FOR UPDATE SKIP LOCKED;
+    IF v_job IS NULL THEN
+        RETURN NULL;
+    END IF;
+    SELECT * INTO v_taken FROM yuxi.runs WHERE id = v_run AND status = 'ready';
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    PERFORM 1 FROM yuxi.trees WHERE id = v_taken.tree_id FOR UPDATE SKIP LOCKED;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    UPDATE yuxi.runs
+       SET status = 'running', lease_token = p_token, started_at = now(),
+           host_id = v_host, claimer = yuxi.hand_over_claimer_v1(),
+           lease_expires_at = yuxi.hand_over_lease_expiry_v1()
+     WHERE id = v_run AND status = 'ready'
+    RETURNING * INTO v_taken;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    PERFORM yuxi.emit_event_v1(v_taken.tree_id, v_taken.session_id, v_taken.turn_id, v_run,
+                               'run.started', jsonb_strip_nulls(jsonb_build_object(
+                                   'attempt', v_taken.attempt, 'host', v_host,
+                                   'from_queue', true)));
+    PERFORM yuxi.drop_run_job_v1(v_job, v_run);
+    RETURN v_run;
+END;
+$$;
+
 -- Close the offer of a completing or suspending transaction
--- (offer_hand_over_v1): the run that took it, leased, with the caller's
--- checkpoint connection marked with it when p_mark; NULL when none did.
+-- (offer_hand_over_v1): the run that took it, else the queued run taken in
+-- its place (take_queued_run_v1), leased, with the caller's checkpoint
+-- connection marked with it when p_mark; NULL when there is none.
 CREATE FUNCTION yuxi.handed_over_run_v1(p_next_token uuid, p_mark boolean)
 RETURNS yuxi.leased_run
     LANGUAGE plpgsql AS $$
 DECLARE
     v_next uuid := yuxi.close_hand_over_v1();
 BEGIN
+    IF v_next IS NULL THEN
+        v_next := yuxi.take_queued_run_v1(p_next_token);
+    END IF;
     IF v_next IS NULL THEN
         RETURN NULL;
     END IF;

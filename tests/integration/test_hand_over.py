@@ -565,3 +565,308 @@ async def test_a_balanced_worker_goes_on_with_the_next_run(db_url, pool, alice):
         following, kid, a, _b = await _next_of_a_worker_running(db_url, pool, alice[1],
                                                                 mine, peers)
         assert following is not None and kid == {"status": "running", "claimer": a}
+
+
+# ------------------------------------------- a queued run in place of one
+
+
+async def _claimed_root(pool, scope):
+    """The root's turn claimed as a claimer does (its job removed with the
+    lease): no job of its own is left in the queue."""
+    session = await new_session(pool, scope)
+    await sessions.receive_input(pool, scope, session.id, content="x")
+    (run_id,) = await runs_with_status(pool, "ready", session.tree_id)
+    job = await scalar(pool, "SELECT id FROM procrastinate.procrastinate_jobs "
+                             "WHERE args->>'run_id' = %s", (str(run_id),))
+    token = uuid.uuid4()
+    assert await runs.start_run(pool, run_id, token, 60, job_id=job) is not None
+    return session, run_id, token
+
+
+async def _update_job(pool, run_id, assignment: str) -> None:
+    """Change a run's job (`assignment`: SQL), as Procrastinate's triggers
+    expect it: under its search_path."""
+    async with pool.connection() as conn, conn.transaction():
+        await conn.execute("SET LOCAL search_path = procrastinate, pg_catalog")
+        cur = await conn.execute(f"UPDATE procrastinate_jobs SET {assignment} "
+                                 "WHERE args->>'run_id' = %s", (str(run_id),))
+        assert cur.rowcount == 1
+
+
+async def _drop_job(pool, run_id) -> None:
+    await scalar(pool, "SELECT yuxi.drop_run_job_v1(id, %s) FROM procrastinate.procrastinate_jobs "
+                       "WHERE args->>'run_id' = %s", (run_id, str(run_id)))
+
+
+async def _queued(pool, scope, n: int) -> list[tuple]:
+    """`n` sessions of their own trees, each with a ready run whose job is
+    due (no claimer listens in these tests): [(session, run)], oldest first."""
+    out = []
+    for _ in range(n):
+        session = await new_session(pool, scope)
+        await sessions.receive_input(pool, scope, session.id, content="queued")
+        (run_id,) = await runs_with_status(pool, "ready", session.tree_id)
+        out.append((session, run_id))
+    return out
+
+
+async def test_a_completion_that_hands_nothing_over_takes_the_oldest_queued_run(
+        pool, checkpoint_pool, alice):
+    # Nothing of the root's tree waits for its slot: instead of leaving the
+    # worker's place to Procrastinate's next fetch, the completion leases
+    # the oldest ready run of the queue to the worker and drops its job.
+    scope = alice[1]
+    _root, root_run, token = await _claimed_root(pool, scope)
+    (s1, q1), (_s2, q2) = await _queued(pool, scope, 2)
+    next_token = uuid.uuid4()
+    outcome, following = await runs.complete(pool, root_run, token, {"text": "r"},
+                                             next_token=next_token, lease_seconds=60)
+    assert (outcome, following["id"]) == ("completed", q1)
+    assert following["session_id"] == s1.id and following["input_content"] == "queued"
+    assert await rows(pool, "SELECT status, lease_token FROM yuxi.runs WHERE id = %s",
+                      (q1,)) == [{"status": "running", "lease_token": next_token}]
+    assert await _jobs(pool) == [str(q2)]
+    (started,) = [e for e in await events(pool, s1.tree_id) if e["type"] == "run.started"]
+    assert started["run_id"] == q1 and started["data"]["from_queue"] is True
+
+
+async def test_without_an_offer_a_completion_takes_no_queued_run(pool, checkpoint_pool, alice):
+    # Negative: a worker that does not go on (at its bound) leaves the
+    # queued run to its job.
+    scope = alice[1]
+    _root, root_run, token = await _claimed_root(pool, scope)
+    ((_s1, q1),) = await _queued(pool, scope, 1)
+    assert await runs.complete(pool, root_run, token, {"text": "r"}) == ("completed", None)
+    assert await _status(pool, q1) == "ready" and await _jobs(pool) == [str(q1)]
+
+
+async def test_a_run_of_the_tree_goes_before_a_queued_one(pool, checkpoint_pool, alice):
+    scope = alice[1]
+    root, root_run, token = await _running_root(pool, scope)
+    kid = await _child(pool, root, "k0")
+    ((_s1, q1),) = await _queued(pool, scope, 1)
+    _, following = await runs.complete(pool, root_run, token, {"text": "r"},
+                                       next_token=uuid.uuid4(), lease_seconds=60)
+    assert following["id"] == kid and await _status(pool, q1) == "ready"
+
+
+async def test_a_suspension_that_hands_nothing_over_takes_a_queued_run(
+        pool, checkpoint_pool, alice):
+    scope = alice[1]
+    parent = await new_session(pool, scope, waker())
+    await sessions.receive_input(pool, scope, parent.id, content="wake")
+    (first,) = await runs_with_status(pool, "ready", parent.tree_id)
+    ((_s1, q1),) = await _queued(pool, scope, 1)
+    # As a claim would have (the executor is given the run alone).
+    await _drop_job(pool, first)
+    # The parent creates its child (whose run gets a slot and a job in that
+    # step) and suspends on it: its suspension, the first transaction of
+    # this job to offer, hands nothing of its tree over and takes q1, the
+    # oldest queued run; without it, the job would end there.
+    await executor(pool, checkpoint_pool).execute(first)
+    assert await _status(pool, q1) == "completed"
+    (started,) = [e for e in await events(pool, _s1.tree_id) if e["type"] == "run.started"]
+    assert started["data"]["from_queue"] is True
+
+
+async def test_a_job_not_yet_due_is_left_to_its_claimer(pool, checkpoint_pool, alice):
+    # A run announced to a claimer has its job due 20 ms later: that claimer
+    # may still take it; the completion takes the next due one.
+    scope = alice[1]
+    _root, root_run, token = await _claimed_root(pool, scope)
+    (_s1, q1), (_s2, q2) = await _queued(pool, scope, 2)
+    await _update_job(pool, q1, "scheduled_at = now() + interval '1 hour'")
+    _, following = await runs.complete(pool, root_run, token, {"text": "r"},
+                                       next_token=uuid.uuid4(), lease_seconds=60)
+    assert following["id"] == q2 and await _status(pool, q1) == "ready"
+
+
+async def test_without_the_due_check_a_claimer_s_run_would_be_taken(
+        pool, checkpoint_pool, alice):
+    await rewrite_function(pool, "yuxi.take_queued_run_v1",
+                           "(q.scheduled_at IS NULL OR q.scheduled_at <= now())", "true")
+    scope = alice[1]
+    _root, root_run, token = await _claimed_root(pool, scope)
+    ((_s1, q1),) = await _queued(pool, scope, 1)
+    await _update_job(pool, q1, "scheduled_at = now() + interval '1 hour'")
+    _, following = await runs.complete(pool, root_run, token, {"text": "r"},
+                                       next_token=uuid.uuid4(), lease_seconds=60)
+    assert following["id"] == q1
+
+
+async def test_a_queued_run_of_another_host_stays(pool, checkpoint_pool, alice):
+    scope = alice[1]
+    for host, taken in ((None, False), ("host-b", False), ("host-a", True)):
+        session = await new_session(pool, scope)
+        await sessions.receive_input(pool, scope, session.id, content="x")
+        (root_run,) = await runs_with_status(pool, "ready", session.tree_id)
+        token = uuid.uuid4()
+        job = await scalar(pool, "SELECT id FROM procrastinate.procrastinate_jobs "
+                                 "WHERE args->>'run_id' = %s", (str(root_run),))
+        assert await runs.start_run(pool, root_run, token, 60, job_id=job, host=host)
+        ((_s1, q1),) = await _queued(pool, scope, 1)
+        await _update_job(pool, q1, "queue_name = 'runs@host-a'")
+        _, following = await runs.complete(pool, root_run, token, {"text": "r"},
+                                           next_token=uuid.uuid4(), lease_seconds=60)
+        assert (following is not None) == taken, host
+        assert await _status(pool, q1) == ("running" if taken else "ready")
+        if not taken:  # out of the next round's way
+            await _drop_job(pool, q1)
+
+
+async def _complete_while_held(db_url, pool, scope, hold: str, timeout: float = 10.0):
+    """Complete a claimed root (with an offer) while another connection
+    holds a lock of the one queued run (`hold`: a statement locking it,
+    given the run's tree and job): what came back, and the queued run."""
+    import asyncio
+
+    import psycopg
+
+    _root, root_run, token = await _claimed_root(pool, scope)
+    ((session, q1),) = await _queued(pool, scope, 1)
+    job = await scalar(pool, "SELECT id FROM procrastinate.procrastinate_jobs "
+                             "WHERE args->>'run_id' = %s", (str(q1),))
+    async with await psycopg.AsyncConnection.connect(db_url) as other:
+        await other.execute(hold, {"tree": session.tree_id, "job": job})
+        try:
+            _, following = await asyncio.wait_for(
+                runs.complete(pool, root_run, token, {"text": "r"},
+                              next_token=uuid.uuid4(), lease_seconds=60), timeout)
+        finally:
+            await other.rollback()
+    return following, q1
+
+
+HOLD_TREE = "SELECT 1 FROM yuxi.trees WHERE id = %(tree)s FOR UPDATE"
+HOLD_JOB = "SELECT 1 FROM procrastinate.procrastinate_jobs WHERE id = %(job)s FOR UPDATE"
+
+
+async def test_a_queued_run_whose_tree_or_job_is_busy_is_skipped_without_waiting(
+        db_url, pool, alice):
+    # Another tree's lock, taken while this transaction holds its own, is
+    # outside the lock order; a job row locked is a fetch in flight. Either
+    # is skipped: the completion neither waits nor deadlocks (a wait here
+    # would last until the other connection's rollback, after the timeout).
+    for hold in (HOLD_TREE, HOLD_JOB):
+        following, q1 = await _complete_while_held(db_url, pool, alice[1], hold)
+        assert following is None, hold
+        assert await _status(pool, q1) == "ready" and str(q1) in await _jobs(pool)
+        await _drop_job(pool, q1)  # out of the next round's way
+
+
+async def test_without_skip_locked_the_completion_would_wait_for_the_other_tree(
+        db_url, pool, alice):
+    import asyncio
+
+    import pytest
+
+    await rewrite_function(pool, "yuxi.take_queued_run_v1",
+                           "WHERE id = v_taken.tree_id FOR UPDATE SKIP LOCKED",
+                           "WHERE id = v_taken.tree_id FOR UPDATE")
+    with pytest.raises(TimeoutError):
+        await _complete_while_held(db_url, pool, alice[1], HOLD_TREE, timeout=1.0)
+
+
+async def test_without_skip_locked_the_completion_would_wait_for_the_job(db_url, pool, alice):
+    import asyncio
+
+    import pytest
+
+    await rewrite_function(pool, "yuxi.take_queued_run_v1",
+                           "AND j.status = 'todo'\n       FOR UPDATE SKIP LOCKED",
+                           "AND j.status = 'todo'\n       FOR UPDATE")
+    with pytest.raises(TimeoutError):
+        await _complete_while_held(db_url, pool, alice[1], HOLD_JOB, timeout=1.0)
+
+
+async def _stale_job_completion(pool, scope):
+    """Another worker's run, leased without its job's removal (the job
+    stays: the oldest due one), while a claimed root completes with an
+    offer: (the other run, its token, what the completion went on with)."""
+    _other, other_run, other_token = await _running_root(pool, scope)
+    _root, root_run, token = await _claimed_root(pool, scope)
+    _, following = await runs.complete(pool, root_run, token, {"text": "r"},
+                                       next_token=uuid.uuid4(), lease_seconds=60)
+    return other_run, other_token, following
+
+
+async def test_a_stale_job_s_run_is_not_taken_again(pool, checkpoint_pool, alice):
+    # A job whose run is not ready any more is left to its fetch (a no-op):
+    # a running run is never leased a second time.
+    other_run, other_token, following = await _stale_job_completion(pool, alice[1])
+    assert following is None
+    assert await scalar(pool, "SELECT lease_token FROM yuxi.runs WHERE id = %s",
+                        (other_run,)) == other_token
+    assert await _jobs(pool) == [str(other_run)]
+
+
+async def test_without_the_ready_checks_a_running_run_would_be_leased_again(
+        pool, checkpoint_pool, alice):
+    await rewrite_function(pool, "yuxi.take_queued_run_v1",
+                           "WHERE id = v_run AND status = 'ready';", "WHERE id = v_run;")
+    await rewrite_function(pool, "yuxi.take_queued_run_v1",
+                           "WHERE id = v_run AND status = 'ready'", "WHERE id = v_run")
+    other_run, other_token, following = await _stale_job_completion(pool, alice[1])
+    assert following["id"] == other_run
+    assert await scalar(pool, "SELECT lease_token FROM yuxi.runs WHERE id = %s",
+                        (other_run,)) != other_token
+
+
+async def test_a_claim_after_the_take_finds_the_run_taken(pool, checkpoint_pool, alice):
+    # The claimer the run was announced to claims it after the completion
+    # took it: nothing (its claim is a no-op), and the other way round the
+    # completion finds the claimed run's job gone and takes the next one.
+    scope = alice[1]
+    _root, root_run, token = await _claimed_root(pool, scope)
+    (_s1, q1), (_s2, q2), (_s3, q3) = await _queued(pool, scope, 3)
+    q3_job = await scalar(pool, "SELECT id FROM procrastinate.procrastinate_jobs "
+                                "WHERE args->>'run_id' = %s", (str(q3),))
+    q1_job = await scalar(pool, "SELECT id FROM procrastinate.procrastinate_jobs "
+                                "WHERE args->>'run_id' = %s", (str(q1),))
+    # q1 claimed first: the completion takes q2.
+    assert await runs.start_run(pool, q1, uuid.uuid4(), 60, job_id=q1_job) is not None
+    _, following = await runs.complete(pool, root_run, token, {"text": "r"},
+                                       next_token=uuid.uuid4(), lease_seconds=60)
+    assert following["id"] == q2
+    # q2's claimer comes late: no lease, and q3 is untouched.
+    q2_job_gone = await _jobs(pool)
+    assert q2_job_gone == [str(q3)]
+    assert await runs.start_run(pool, q2, uuid.uuid4(), 60, job_id=q3_job) is None
+    assert await _jobs(pool) == [str(q3)]
+
+
+async def test_the_worker_goes_on_with_queued_runs_in_one_job(pool, checkpoint_pool, alice):
+    # The executor's loop: each completion takes the next queued run, each
+    # of another session, which reads its own conversation.
+    scope = alice[1]
+    session = await new_session(pool, scope)
+    await sessions.receive_input(pool, scope, session.id, content="x")
+    (root_run,) = await runs_with_status(pool, "ready", session.tree_id)
+    queued = await _queued(pool, scope, 3)
+    await _drop_job(pool, root_run)  # as its claim would have
+    assert await executor(pool, checkpoint_pool).execute(root_run) == "completed"
+    for s, q in queued:
+        assert await _status(pool, q) == "completed"
+        assert await scalar(pool, "SELECT output->>'text' FROM yuxi.runs WHERE id = %s",
+                            (q,)) == "echo: queued"
+    assert await _jobs(pool) == []
+
+
+async def test_a_worker_that_dies_after_taking_a_queued_run_loses_nothing(
+        pool, checkpoint_pool, alice):
+    scope = alice[1]
+    _root, root_run, token = await _claimed_root(pool, scope)
+    ((s1, q1),) = await _queued(pool, scope, 1)
+    _, following = await runs.complete(pool, root_run, token, {"text": "r"},
+                                       next_token=uuid.uuid4(), lease_seconds=60)
+    assert following["id"] == q1 and await _jobs(pool) == []
+    # ... the worker is gone: its lease runs out, recovery gives a retry a job.
+    await scalar(pool, "UPDATE yuxi.runs SET lease_expires_at = clock_timestamp() - "
+                       "interval '1 s' WHERE id = %s RETURNING id", (q1,))
+    (retry,) = await runs.recover_expired(pool, max_attempts=3)
+    assert retry == q1
+    (ready,) = await runs_with_status(pool, "ready")
+    assert await executor(pool, checkpoint_pool, continued_runs=0).execute(ready) == "completed"
+    turn = await scalar(pool, "SELECT turn_id FROM yuxi.runs WHERE id = %s", (ready,))
+    result = await sessions.get_result(pool, scope, turn)
+    assert (result.status, result.output["text"]) == ("completed", "echo: queued")
