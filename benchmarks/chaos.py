@@ -118,6 +118,10 @@ class Report:
     drain_seconds: float | None = None
     drained: bool = False
     submit_retries: int = 0
+    # How runs were started (run.started): from a job or claim, handed over
+    # by a completion of their tree, or taken from the queue by a completion
+    # that handed nothing over: the faults hit each path.
+    starts: dict[str, int] = dataclasses.field(default_factory=dict)
     details: list[str] = dataclasses.field(default_factory=list)
 
     @property
@@ -145,6 +149,7 @@ class Report:
             f"time to drain:       {drain} (after the last fault)",
             f"retries:             {self.infra_retries} infrastructure, "
             f"{self.lost_lease_retries} lost lease; {self.submit_retries} client retries",
+            "runs started:        " + ", ".join(f"{n} {how}" for how, n in self.starts.items()),
             f"result:              {'OK' if self.ok else 'FAILED'}",
         ]
         return "\n".join(lines + [f"  {d}" for d in self.details[:20]])
@@ -425,6 +430,11 @@ class Chaos:
                                 "AND error LIKE 'database connection lost%%'").fetchone()["n"]
             r.lost_lease_retries = q("SELECT count(*) AS n FROM yuxi.runs WHERE status = "
                                      "'failed' AND error LIKE 'lease expired%%'").fetchone()["n"]
+            r.starts = q("SELECT count(*) FILTER (WHERE NOT data ? 'handed_over' AND NOT "
+                         "data ? 'from_queue') AS \"by a job or claim\", count(*) FILTER "
+                         "(WHERE data ? 'handed_over') AS \"handed over\", count(*) FILTER "
+                         "(WHERE data ? 'from_queue') AS \"taken from the queue\" "
+                         "FROM yuxi.events WHERE type = 'run.started'").fetchone()
 
     # -- the whole run ------------------------------------------------------
 
