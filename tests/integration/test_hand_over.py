@@ -598,6 +598,16 @@ async def _drop_job(pool, run_id) -> None:
                        "WHERE args->>'run_id' = %s", (run_id, str(run_id)))
 
 
+async def _ready_root(pool, scope) -> uuid.UUID:
+    """A root's ready run for an executor to execute, its job removed as
+    the claim that gives it to a worker would have."""
+    session = await new_session(pool, scope)
+    await sessions.receive_input(pool, scope, session.id, content="x")
+    (run_id,) = await runs_with_status(pool, "ready", session.tree_id)
+    await _drop_job(pool, run_id)
+    return run_id
+
+
 async def _queued(pool, scope, n: int) -> list[tuple]:
     """`n` sessions of their own trees, each with a ready run whose job is
     due (no claimer listens in these tests): [(session, run)], oldest first."""
@@ -667,6 +677,22 @@ async def test_a_suspension_that_hands_nothing_over_takes_a_queued_run(
     assert await _status(pool, q1) == "completed"
     (started,) = [e for e in await events(pool, _s1.tree_id) if e["type"] == "run.started"]
     assert started["data"]["from_queue"] is True
+
+
+async def test_a_stopping_worker_takes_no_queued_run(pool, checkpoint_pool, alice):
+    # Queued runs have jobs that the other workers fetch: one that is
+    # stopping leaves them (it still goes on with its tree's, bounded).
+    scope = alice[1]
+    root_run = await _ready_root(pool, scope)
+    ((_s1, q1),) = await _queued(pool, scope, 1)
+    worker = executor(pool, checkpoint_pool)
+    worker.stop_claims()
+    assert await worker.execute(root_run) == "completed"
+    assert await _status(pool, q1) == "ready" and await _jobs(pool) == [str(q1)]
+    # Negative: a worker that is not stopping takes it.
+    other_run = await _ready_root(pool, scope)
+    assert await executor(pool, checkpoint_pool).execute(other_run) == "completed"
+    assert await _status(pool, q1) == "completed"
 
 
 async def test_a_job_not_yet_due_is_left_to_its_claimer(pool, checkpoint_pool, alice):
@@ -839,11 +865,8 @@ async def test_the_worker_goes_on_with_queued_runs_in_one_job(pool, checkpoint_p
     # The executor's loop: each completion takes the next queued run, each
     # of another session, which reads its own conversation.
     scope = alice[1]
-    session = await new_session(pool, scope)
-    await sessions.receive_input(pool, scope, session.id, content="x")
-    (root_run,) = await runs_with_status(pool, "ready", session.tree_id)
+    root_run = await _ready_root(pool, scope)
     queued = await _queued(pool, scope, 3)
-    await _drop_job(pool, root_run)  # as its claim would have
     assert await executor(pool, checkpoint_pool).execute(root_run) == "completed"
     for s, q in queued:
         assert await _status(pool, q) == "completed"
