@@ -268,7 +268,6 @@ CREATE FUNCTION yuxi.give_slot_v1(p_run uuid, p_tree uuid) RETURNS void
     LANGUAGE plpgsql AS $$
 DECLARE
     v_token uuid := yuxi.take_hand_over_v1(p_tree, p_run, true);
-    v_run yuxi.runs;
 BEGIN
     INSERT INTO yuxi.slot_claims (run_id, tree_id) VALUES (p_run, p_tree);
     IF v_token IS NULL THEN
@@ -276,16 +275,9 @@ BEGIN
         PERFORM yuxi.defer_run_job_v1(p_run);
         RETURN;
     END IF;
-    UPDATE yuxi.runs
-       SET status = 'running', lease_token = v_token, started_at = now(),
-           host_id = yuxi.hand_over_host_v1(), claimer = yuxi.hand_over_claimer_v1(),
-           lease_expires_at = yuxi.hand_over_lease_expiry_v1()
-     WHERE id = p_run
-    RETURNING * INTO v_run;
-    PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
-                               'run.started', jsonb_strip_nulls(jsonb_build_object(
-                                   'attempt', v_run.attempt, 'host', v_run.host_id,
-                                   'handed_over', true)));
+    PERFORM yuxi.lease_run_v1(p_run, 'pending', v_token, yuxi.hand_over_host_v1(),
+                              yuxi.hand_over_claimer_v1(), yuxi.hand_over_lease_expiry_v1(),
+                              'handed_over');
 END;
 $$;
 

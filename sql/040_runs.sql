@@ -59,6 +59,38 @@ BEGIN
 END;
 $$;
 
+-- A run in status p_from becomes `running`, leased with p_token until
+-- p_expires to the worker (host, claimer) that will execute it, and
+-- `run.started` says so (`p_how`, when given, is a flag in its data: how the
+-- run got to the worker without a job of its own). The one place a lease is
+-- taken on an existing run: a job's or claim's start (start_run_v1), a
+-- hand-over (give_slot_v1), a queued run taken at a completion
+-- (take_queued_run_v1). The caller holds the tree lock. Returns the run,
+-- NULL (and changes nothing) when it is not in p_from.
+CREATE FUNCTION yuxi.lease_run_v1(p_run uuid, p_from text, p_token uuid, p_host text,
+                                  p_claimer integer, p_expires timestamptz,
+                                  p_how text DEFAULT NULL) RETURNS yuxi.runs
+    LANGUAGE plpgsql AS $$
+DECLARE
+    v_run yuxi.runs;
+BEGIN
+    UPDATE yuxi.runs
+       SET status = 'running', lease_token = p_token, started_at = now(), host_id = p_host,
+           claimer = p_claimer, lease_expires_at = p_expires
+     WHERE id = p_run AND status = p_from
+    RETURNING * INTO v_run;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
+                               'run.started', jsonb_strip_nulls(jsonb_build_object(
+                                   'attempt', v_run.attempt, 'host', p_host))
+                               || CASE WHEN p_how IS NULL THEN '{}'::jsonb
+                                       ELSE jsonb_build_object(p_how, true) END);
+    RETURN v_run;
+END;
+$$;
+
 -- Take the lease of a ready run: it becomes running with a fresh token.
 -- Returns NULL when the run is not ready (a duplicate or stale job), so the
 -- caller simply stops. p_mark: the caller's connection is the one its
@@ -77,18 +109,10 @@ BEGIN
         RETURN NULL;
     END IF;
     PERFORM yuxi.lock_tree_v1(v_run.tree_id);
-    UPDATE yuxi.runs
-       SET status = 'running', lease_token = p_token, started_at = now(), host_id = p_host,
-           claimer = p_claimer,
-           lease_expires_at = clock_timestamp() + make_interval(secs => p_lease_seconds)
-     WHERE id = p_run AND status = 'ready'
-    RETURNING * INTO v_run;
-    IF NOT FOUND THEN
+    IF (yuxi.lease_run_v1(p_run, 'ready', p_token, p_host, p_claimer,
+                          clock_timestamp() + make_interval(secs => p_lease_seconds))).id IS NULL THEN
         RETURN NULL;
     END IF;
-    PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
-                               'run.started', jsonb_strip_nulls(jsonb_build_object(
-                                   'attempt', v_run.attempt, 'host', p_host)));
     RETURN yuxi.taken_run_v1(p_run, p_token, p_mark);
 END;
 $$;
@@ -317,9 +341,9 @@ DECLARE
     v_host text := yuxi.hand_over_host_v1();
     v_job bigint;
     v_run uuid;
-    v_taken yuxi.runs;
+    v_tree uuid;
 BEGIN
-    IF p_token IS NULL OR nullif(current_setting('yuxi.hand_over_lease', true), '') IS NULL THEN
+    IF p_token IS NULL THEN  -- no offer
         RETURN NULL;
     END IF;
     -- The oldest due job of each queue (procrastinate_jobs_yuxi_runs_todo:
@@ -344,27 +368,19 @@ BEGIN
     IF v_job IS NULL THEN
         RETURN NULL;
     END IF;
-    SELECT * INTO v_taken FROM yuxi.runs WHERE id = v_run AND status = 'ready';
+    SELECT tree_id INTO v_tree FROM yuxi.runs WHERE id = v_run AND status = 'ready';
     IF NOT FOUND THEN
         RETURN NULL;
     END IF;
-    PERFORM 1 FROM yuxi.trees WHERE id = v_taken.tree_id FOR UPDATE SKIP LOCKED;
+    PERFORM 1 FROM yuxi.trees WHERE id = v_tree FOR UPDATE SKIP LOCKED;
     IF NOT FOUND THEN
         RETURN NULL;
     END IF;
-    UPDATE yuxi.runs
-       SET status = 'running', lease_token = p_token, started_at = now(),
-           host_id = v_host, claimer = yuxi.hand_over_claimer_v1(),
-           lease_expires_at = yuxi.hand_over_lease_expiry_v1()
-     WHERE id = v_run AND status = 'ready'
-    RETURNING * INTO v_taken;
-    IF NOT FOUND THEN
+    -- Ready again under the lock (a claim may have committed meanwhile).
+    IF (yuxi.lease_run_v1(v_run, 'ready', p_token, v_host, yuxi.hand_over_claimer_v1(),
+                          yuxi.hand_over_lease_expiry_v1(), 'from_queue')).id IS NULL THEN
         RETURN NULL;
     END IF;
-    PERFORM yuxi.emit_event_v1(v_taken.tree_id, v_taken.session_id, v_taken.turn_id, v_run,
-                               'run.started', jsonb_strip_nulls(jsonb_build_object(
-                                   'attempt', v_taken.attempt, 'host', v_host,
-                                   'from_queue', true)));
     PERFORM yuxi.drop_run_job_v1(v_job, v_run);
     RETURN v_run;
 END;

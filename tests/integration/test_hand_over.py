@@ -570,16 +570,28 @@ async def test_a_balanced_worker_goes_on_with_the_next_run(db_url, pool, alice):
 # ------------------------------------------- a queued run in place of one
 
 
-async def _claimed_root(pool, scope):
-    """The root's turn claimed as a claimer does (its job removed with the
-    lease): no job of its own is left in the queue."""
+async def _job_of(pool, run_id) -> int:
+    return await scalar(pool, "SELECT id FROM procrastinate.procrastinate_jobs "
+                              "WHERE args->>'run_id' = %s", (str(run_id),))
+
+
+async def _go_on(pool, run_id, token) -> dict | None:
+    """Complete a run offering to go on (as a worker with room does): the
+    run it goes on with, or None."""
+    _, following = await runs.complete(pool, run_id, token, {"text": "r"},
+                                       next_token=uuid.uuid4(), lease_seconds=60)
+    return following
+
+
+async def _claimed_root(pool, scope, host: str | None = None):
+    """The root's turn claimed as a claimer (on `host`) does, its job removed
+    with the lease: no job of its own is left in the queue."""
     session = await new_session(pool, scope)
     await sessions.receive_input(pool, scope, session.id, content="x")
     (run_id,) = await runs_with_status(pool, "ready", session.tree_id)
-    job = await scalar(pool, "SELECT id FROM procrastinate.procrastinate_jobs "
-                             "WHERE args->>'run_id' = %s", (str(run_id),))
     token = uuid.uuid4()
-    assert await runs.start_run(pool, run_id, token, 60, job_id=job) is not None
+    assert await runs.start_run(pool, run_id, token, 60, job_id=await _job_of(pool, run_id),
+                                host=host) is not None
     return session, run_id, token
 
 
@@ -655,8 +667,7 @@ async def test_a_run_of_the_tree_goes_before_a_queued_one(pool, checkpoint_pool,
     root, root_run, token = await _running_root(pool, scope)
     kid = await _child(pool, root, "k0")
     ((_s1, q1),) = await _queued(pool, scope, 1)
-    _, following = await runs.complete(pool, root_run, token, {"text": "r"},
-                                       next_token=uuid.uuid4(), lease_seconds=60)
+    following = await _go_on(pool, root_run, token)
     assert following["id"] == kid and await _status(pool, q1) == "ready"
 
 
@@ -666,7 +677,7 @@ async def test_a_suspension_that_hands_nothing_over_takes_a_queued_run(
     parent = await new_session(pool, scope, waker())
     await sessions.receive_input(pool, scope, parent.id, content="wake")
     (first,) = await runs_with_status(pool, "ready", parent.tree_id)
-    ((_s1, q1),) = await _queued(pool, scope, 1)
+    ((s1, q1),) = await _queued(pool, scope, 1)
     # As a claim would have (the executor is given the run alone).
     await _drop_job(pool, first)
     # The parent creates its child (whose run gets a slot and a job in that
@@ -675,7 +686,7 @@ async def test_a_suspension_that_hands_nothing_over_takes_a_queued_run(
     # oldest queued run; without it, the job would end there.
     await executor(pool, checkpoint_pool).execute(first)
     assert await _status(pool, q1) == "completed"
-    (started,) = [e for e in await events(pool, _s1.tree_id) if e["type"] == "run.started"]
+    (started,) = [e for e in await events(pool, s1.tree_id) if e["type"] == "run.started"]
     assert started["data"]["from_queue"] is True
 
 
@@ -695,15 +706,19 @@ async def test_a_stopping_worker_takes_no_queued_run(pool, checkpoint_pool, alic
     assert await _status(pool, q1) == "completed"
 
 
-async def test_a_job_not_yet_due_is_left_to_its_claimer(pool, checkpoint_pool, alice):
-    # A run announced to a claimer has its job due 20 ms later: that claimer
-    # may still take it; the completion takes the next due one.
-    scope = alice[1]
+async def _completion_with_the_oldest_not_due(pool, scope):
+    """Two queued runs, the older one's job due later (announced to a
+    claimer): what a completion went on with, and both runs."""
     _root, root_run, token = await _claimed_root(pool, scope)
     (_s1, q1), (_s2, q2) = await _queued(pool, scope, 2)
     await _update_job(pool, q1, "scheduled_at = now() + interval '1 hour'")
-    _, following = await runs.complete(pool, root_run, token, {"text": "r"},
-                                       next_token=uuid.uuid4(), lease_seconds=60)
+    return await _go_on(pool, root_run, token), q1, q2
+
+
+async def test_a_job_not_yet_due_is_left_to_its_claimer(pool, checkpoint_pool, alice):
+    # A run announced to a claimer has its job due 20 ms later: that claimer
+    # may still take it; the completion takes the next due one.
+    following, q1, q2 = await _completion_with_the_oldest_not_due(pool, alice[1])
     assert following["id"] == q2 and await _status(pool, q1) == "ready"
 
 
@@ -711,29 +726,17 @@ async def test_without_the_due_check_a_claimer_s_run_would_be_taken(
         pool, checkpoint_pool, alice):
     await rewrite_function(pool, "yuxi.take_queued_run_v1",
                            "(q.scheduled_at IS NULL OR q.scheduled_at <= now())", "true")
-    scope = alice[1]
-    _root, root_run, token = await _claimed_root(pool, scope)
-    ((_s1, q1),) = await _queued(pool, scope, 1)
-    await _update_job(pool, q1, "scheduled_at = now() + interval '1 hour'")
-    _, following = await runs.complete(pool, root_run, token, {"text": "r"},
-                                       next_token=uuid.uuid4(), lease_seconds=60)
+    following, q1, _q2 = await _completion_with_the_oldest_not_due(pool, alice[1])
     assert following["id"] == q1
 
 
 async def test_a_queued_run_of_another_host_stays(pool, checkpoint_pool, alice):
     scope = alice[1]
     for host, taken in ((None, False), ("host-b", False), ("host-a", True)):
-        session = await new_session(pool, scope)
-        await sessions.receive_input(pool, scope, session.id, content="x")
-        (root_run,) = await runs_with_status(pool, "ready", session.tree_id)
-        token = uuid.uuid4()
-        job = await scalar(pool, "SELECT id FROM procrastinate.procrastinate_jobs "
-                                 "WHERE args->>'run_id' = %s", (str(root_run),))
-        assert await runs.start_run(pool, root_run, token, 60, job_id=job, host=host)
+        _root, root_run, token = await _claimed_root(pool, scope, host)
         ((_s1, q1),) = await _queued(pool, scope, 1)
         await _update_job(pool, q1, "queue_name = 'runs@host-a'")
-        _, following = await runs.complete(pool, root_run, token, {"text": "r"},
-                                           next_token=uuid.uuid4(), lease_seconds=60)
+        following = await _go_on(pool, root_run, token)
         assert (following is not None) == taken, host
         assert await _status(pool, q1) == ("running" if taken else "ready")
         if not taken:  # out of the next round's way
@@ -750,14 +753,11 @@ async def _complete_while_held(db_url, pool, scope, hold: str, timeout: float = 
 
     _root, root_run, token = await _claimed_root(pool, scope)
     ((session, q1),) = await _queued(pool, scope, 1)
-    job = await scalar(pool, "SELECT id FROM procrastinate.procrastinate_jobs "
-                             "WHERE args->>'run_id' = %s", (str(q1),))
+    job = await _job_of(pool, q1)
     async with await psycopg.AsyncConnection.connect(db_url) as other:
         await other.execute(hold, {"tree": session.tree_id, "job": job})
         try:
-            _, following = await asyncio.wait_for(
-                runs.complete(pool, root_run, token, {"text": "r"},
-                              next_token=uuid.uuid4(), lease_seconds=60), timeout)
+            following = await asyncio.wait_for(_go_on(pool, root_run, token), timeout)
         finally:
             await other.rollback()
     return following, q1
@@ -782,20 +782,16 @@ async def test_a_queued_run_whose_tree_or_job_is_busy_is_skipped_without_waiting
 
 async def test_without_skip_locked_the_completion_would_wait_for_the_other_tree(
         db_url, pool, alice):
-    import asyncio
-
     import pytest
 
     await rewrite_function(pool, "yuxi.take_queued_run_v1",
-                           "WHERE id = v_taken.tree_id FOR UPDATE SKIP LOCKED",
-                           "WHERE id = v_taken.tree_id FOR UPDATE")
+                           "WHERE id = v_tree FOR UPDATE SKIP LOCKED",
+                           "WHERE id = v_tree FOR UPDATE")
     with pytest.raises(TimeoutError):
         await _complete_while_held(db_url, pool, alice[1], HOLD_TREE, timeout=1.0)
 
 
 async def test_without_skip_locked_the_completion_would_wait_for_the_job(db_url, pool, alice):
-    import asyncio
-
     import pytest
 
     await rewrite_function(pool, "yuxi.take_queued_run_v1",
@@ -811,8 +807,7 @@ async def _stale_job_completion(pool, scope):
     offer: (the other run, its token, what the completion went on with)."""
     _other, other_run, other_token = await _running_root(pool, scope)
     _root, root_run, token = await _claimed_root(pool, scope)
-    _, following = await runs.complete(pool, root_run, token, {"text": "r"},
-                                       next_token=uuid.uuid4(), lease_seconds=60)
+    following = await _go_on(pool, root_run, token)
     return other_run, other_token, following
 
 
@@ -828,10 +823,13 @@ async def test_a_stale_job_s_run_is_not_taken_again(pool, checkpoint_pool, alice
 
 async def test_without_the_ready_checks_a_running_run_would_be_leased_again(
         pool, checkpoint_pool, alice):
+    # Both: the read before the other tree's lock, and the lease's under it.
     await rewrite_function(pool, "yuxi.take_queued_run_v1",
                            "WHERE id = v_run AND status = 'ready';", "WHERE id = v_run;")
     await rewrite_function(pool, "yuxi.take_queued_run_v1",
-                           "WHERE id = v_run AND status = 'ready'", "WHERE id = v_run")
+                           "yuxi.lease_run_v1(v_run, 'ready',",
+                           "yuxi.lease_run_v1(v_run, (SELECT status FROM yuxi.runs "
+                           "WHERE id = v_run),")
     other_run, other_token, following = await _stale_job_completion(pool, alice[1])
     assert following["id"] == other_run
     assert await scalar(pool, "SELECT lease_token FROM yuxi.runs WHERE id = %s",
@@ -845,19 +843,14 @@ async def test_a_claim_after_the_take_finds_the_run_taken(pool, checkpoint_pool,
     scope = alice[1]
     _root, root_run, token = await _claimed_root(pool, scope)
     (_s1, q1), (_s2, q2), (_s3, q3) = await _queued(pool, scope, 3)
-    q3_job = await scalar(pool, "SELECT id FROM procrastinate.procrastinate_jobs "
-                                "WHERE args->>'run_id' = %s", (str(q3),))
-    q1_job = await scalar(pool, "SELECT id FROM procrastinate.procrastinate_jobs "
-                                "WHERE args->>'run_id' = %s", (str(q1),))
-    # q1 claimed first: the completion takes q2.
+    q1_job, q2_job = await _job_of(pool, q1), await _job_of(pool, q2)
+    # q1 claimed first: the completion takes q2 (and deletes its job).
     assert await runs.start_run(pool, q1, uuid.uuid4(), 60, job_id=q1_job) is not None
-    _, following = await runs.complete(pool, root_run, token, {"text": "r"},
-                                       next_token=uuid.uuid4(), lease_seconds=60)
+    following = await _go_on(pool, root_run, token)
     assert following["id"] == q2
+    assert await _jobs(pool) == [str(q3)]
     # q2's claimer comes late: no lease, and q3 is untouched.
-    q2_job_gone = await _jobs(pool)
-    assert q2_job_gone == [str(q3)]
-    assert await runs.start_run(pool, q2, uuid.uuid4(), 60, job_id=q3_job) is None
+    assert await runs.start_run(pool, q2, uuid.uuid4(), 60, job_id=q2_job) is None
     assert await _jobs(pool) == [str(q3)]
 
 
@@ -868,7 +861,7 @@ async def test_the_worker_goes_on_with_queued_runs_in_one_job(pool, checkpoint_p
     root_run = await _ready_root(pool, scope)
     queued = await _queued(pool, scope, 3)
     assert await executor(pool, checkpoint_pool).execute(root_run) == "completed"
-    for s, q in queued:
+    for _s, q in queued:
         assert await _status(pool, q) == "completed"
         assert await scalar(pool, "SELECT output->>'text' FROM yuxi.runs WHERE id = %s",
                             (q,)) == "echo: queued"
@@ -879,9 +872,8 @@ async def test_a_worker_that_dies_after_taking_a_queued_run_loses_nothing(
         pool, checkpoint_pool, alice):
     scope = alice[1]
     _root, root_run, token = await _claimed_root(pool, scope)
-    ((s1, q1),) = await _queued(pool, scope, 1)
-    _, following = await runs.complete(pool, root_run, token, {"text": "r"},
-                                       next_token=uuid.uuid4(), lease_seconds=60)
+    ((_s1, q1),) = await _queued(pool, scope, 1)
+    following = await _go_on(pool, root_run, token)
     assert following["id"] == q1 and await _jobs(pool) == []
     # ... the worker is gone: its lease runs out, recovery gives a retry a job.
     await scalar(pool, "UPDATE yuxi.runs SET lease_expires_at = clock_timestamp() - "
