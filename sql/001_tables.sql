@@ -295,7 +295,7 @@ CREATE UNIQUE INDEX events_dedupe_idx ON yuxi.events (tree_id, dedupe_key)
 -- session's events are read through the primary key (tree_id, seq); one index
 -- less to maintain on the table written most.
 
--- Who listens for a tree's events (issue 15): a row per tree (the nil uuid:
+-- Who listens for a tree's events (issue 15): a row per tree (yuxi.every_tree_v1():
 -- every tree) and listening backend (`pid`, the LISTEN connection's). A
 -- transaction that writes events sends `yuxi_events` only when its tree is
 -- watched: NOTIFY makes a commit take a cluster-wide lock until it is

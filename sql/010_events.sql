@@ -27,6 +27,13 @@ BEGIN
 END;
 $$;
 
+-- The tree_id of a watch of every tree (yuxi.event_watches holds one key per
+-- watch; no tree has the nil uuid). IMMUTABLE SQL: inlined as a constant.
+CREATE FUNCTION yuxi.every_tree_v1() RETURNS uuid
+    LANGUAGE sql IMMUTABLE AS $$
+    SELECT '00000000-0000-0000-0000-000000000000'::uuid;
+$$;
+
 -- Event watches (yuxi.event_watches). A watch of one tree first waits for the
 -- tree's writers in flight (FOR SHARE conflicts with their FOR UPDATE of the
 -- tree row): a writer that committed before the watch did is read by the
@@ -43,7 +50,7 @@ BEGIN
         PERFORM 1 FROM yuxi.trees WHERE id = p_tree FOR SHARE;
     END IF;
     INSERT INTO yuxi.event_watches (tree_id, pid)
-    VALUES (coalesce(p_tree, '00000000-0000-0000-0000-000000000000'), p_pid)
+    VALUES (coalesce(p_tree, yuxi.every_tree_v1()), p_pid)
     ON CONFLICT DO NOTHING;
 END;
 $$;
@@ -52,7 +59,7 @@ CREATE FUNCTION yuxi.unwatch_events_v1(p_tree uuid, p_pid integer DEFAULT pg_bac
     RETURNS void
     LANGUAGE sql AS $$
     DELETE FROM yuxi.event_watches
-     WHERE tree_id = coalesce(p_tree, '00000000-0000-0000-0000-000000000000') AND pid = p_pid;
+     WHERE tree_id = coalesce(p_tree, yuxi.every_tree_v1()) AND pid = p_pid;
 $$;
 
 -- Watches of backends that are gone (a listener that lost its connection, a
@@ -76,7 +83,7 @@ CREATE FUNCTION yuxi.events_watched_v1(p_tree uuid) RETURNS boolean
     LANGUAGE plpgsql STABLE AS $$
 BEGIN
     RETURN EXISTS (SELECT 1 FROM yuxi.event_watches
-                    WHERE tree_id IN (p_tree, '00000000-0000-0000-0000-000000000000'));
+                    WHERE tree_id IN (p_tree, yuxi.every_tree_v1()));
 END;
 $$;
 
