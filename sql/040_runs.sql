@@ -346,23 +346,19 @@ BEGIN
     IF p_token IS NULL THEN  -- no offer
         RETURN NULL;
     END IF;
-    -- The oldest due job of each queue (procrastinate_jobs_yuxi_runs_todo:
-    -- the due ones come first in id order, so each lookup stops early,
-    -- whatever the backlog or the other tasks' scheduled jobs).
+    -- The oldest due job of each queue, one index lookup per queue
+    -- (procrastinate_jobs_yuxi_runs_todo, in id order: each stops at its
+    -- first due job, whatever the backlog or the other tasks' scheduled
+    -- jobs; one lookup over both queues would sort them all).
     SELECT j.id, (j.args->>'run_id')::uuid INTO v_job, v_run
       FROM procrastinate.procrastinate_jobs j
-     WHERE j.id = (SELECT min(c.id) FROM (
-                     (SELECT q.id FROM procrastinate.procrastinate_jobs q
-                       WHERE q.status = 'todo' AND q.task_name = 'execute_run'
-                         AND q.queue_name = 'runs'
-                         AND (q.scheduled_at IS NULL OR q.scheduled_at <= now())
-                       ORDER BY q.id LIMIT 1)
-                     UNION ALL
-                     (SELECT q.id FROM procrastinate.procrastinate_jobs q
-                       WHERE q.status = 'todo' AND q.task_name = 'execute_run'
-                         AND q.queue_name = 'runs@' || v_host
-                         AND (q.scheduled_at IS NULL OR q.scheduled_at <= now())
-                       ORDER BY q.id LIMIT 1)) c)
+     WHERE j.id = (SELECT min(oldest.id)
+                     FROM unnest(ARRAY['runs', 'runs@' || v_host]) queue(name),
+                          LATERAL (SELECT q.id FROM procrastinate.procrastinate_jobs q
+                                    WHERE q.status = 'todo' AND q.task_name = 'execute_run'
+                                      AND q.queue_name = queue.name
+                                      AND (q.scheduled_at IS NULL OR q.scheduled_at <= now())
+                                    ORDER BY q.id LIMIT 1) oldest)
        AND j.status = 'todo'
        FOR UPDATE SKIP LOCKED;
     IF v_job IS NULL THEN
