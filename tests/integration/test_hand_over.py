@@ -9,7 +9,11 @@ a leased run that lease expiry recovers. Each guard has its negative case."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+
+import psycopg
+import pytest
 
 from tests.integration.helpers import (
     events, executor, new_session, rewrite_function, rows, runs_with_status, say_agent, scalar,
@@ -51,12 +55,20 @@ async def _capacity(pool, tree_id, n: int) -> None:
                  (n, tree_id))
 
 
+async def _ready(pool, scope, content: str = "x", session=None):
+    """A session (new unless given) whose input `content` made a ready run,
+    its job due: (session, run)."""
+    session = session or await new_session(pool, scope)
+    await sessions.receive_input(pool, scope, session.id, content=content)
+    (run_id,) = await runs_with_status(pool, "ready", session.tree_id)
+    return session, run_id
+
+
 async def _running_root(pool, scope, host: str | None = None, session=None):
     """The root's turn running (leased with `token`) in a tree of one slot."""
     session = session or await new_session(pool, scope)
     await _capacity(pool, session.tree_id, 1)
-    await sessions.receive_input(pool, scope, session.id, content="x")
-    (run_id,) = await runs_with_status(pool, "ready", session.tree_id)
+    session, run_id = await _ready(pool, scope, session=session)
     token = uuid.uuid4()
     assert await runs.start_run(pool, run_id, token, 60, host=host) is not None
     return session, run_id, token
@@ -94,8 +106,7 @@ async def test_a_handed_over_run_counts_toward_the_worker_that_goes_on(pool, che
     scope = alice[1]
     root = await new_session(pool, scope)
     await _capacity(pool, root.tree_id, 1)
-    await sessions.receive_input(pool, scope, root.id, content="x")
-    (root_run,) = await runs_with_status(pool, "ready", root.tree_id)
+    _, root_run = await _ready(pool, scope, session=root)
     token = uuid.uuid4()
     assert await runs.start_run(pool, root_run, token, 60, claimer=4242) is not None
     kid = await _child(pool, root, "k0")
@@ -334,7 +345,6 @@ async def test_a_run_recovered_between_its_wait_and_the_suspension_waits(
     # The parent's wait tool saved its interrupt, then the worker died before
     # the suspension committed. The recovered run has no resume payload: it
     # must wait for the child (suspend), never answer the wait at once.
-    import psycopg
     scope = alice[1]
     parent = await new_session(pool, scope, waker())
     receipt = await sessions.receive_input(pool, scope, parent.id, content="wake")
@@ -517,9 +527,7 @@ async def test_a_run_of_another_session_reads_its_own_conversation(pool, checkpo
 async def _busy(pool, scope, claimer: int, n: int) -> None:
     """`n` runs of other trees running on `claimer`'s worker."""
     for _ in range(n):
-        session = await new_session(pool, scope)
-        await sessions.receive_input(pool, scope, session.id, content="x")
-        (run_id,) = await runs_with_status(pool, "ready", session.tree_id)
+        _session, run_id = await _ready(pool, scope)
         assert await runs.start_run(pool, run_id, uuid.uuid4(), 60, claimer=claimer)
 
 
@@ -527,8 +535,6 @@ async def _next_of_a_worker_running(db_url, pool, scope, mine: int, peers: int):
     """A worker (claimer `a`) completes a tree's run while it runs `mine`
     other runs and its peer (claimer `b`) runs `peers`: what the tree's
     next run became, and both claimers."""
-    import psycopg
-
     async with await psycopg.AsyncConnection.connect(
             db_url, autocommit=True, application_name="yuxi-claims localhost") as a, \
             await psycopg.AsyncConnection.connect(
@@ -536,8 +542,7 @@ async def _next_of_a_worker_running(db_url, pool, scope, mine: int, peers: int):
         a_pid, b_pid = a.info.backend_pid, b.info.backend_pid
         root = await new_session(pool, scope)
         await _capacity(pool, root.tree_id, 1)
-        await sessions.receive_input(pool, scope, root.id, content="x")
-        (root_run,) = await runs_with_status(pool, "ready", root.tree_id)
+        _, root_run = await _ready(pool, scope, session=root)
         token = uuid.uuid4()
         assert await runs.start_run(pool, root_run, token, 60, claimer=a_pid)
         kid = await _child(pool, root, "k0")
@@ -586,9 +591,7 @@ async def _go_on(pool, run_id, token) -> dict | None:
 async def _claimed_root(pool, scope, host: str | None = None):
     """The root's turn claimed as a claimer (on `host`) does, its job removed
     with the lease: no job of its own is left in the queue."""
-    session = await new_session(pool, scope)
-    await sessions.receive_input(pool, scope, session.id, content="x")
-    (run_id,) = await runs_with_status(pool, "ready", session.tree_id)
+    session, run_id = await _ready(pool, scope)
     token = uuid.uuid4()
     assert await runs.start_run(pool, run_id, token, 60, job_id=await _job_of(pool, run_id),
                                 host=host) is not None
@@ -613,9 +616,7 @@ async def _drop_job(pool, run_id) -> None:
 async def _ready_root(pool, scope) -> uuid.UUID:
     """A root's ready run for an executor to execute, its job removed as
     the claim that gives it to a worker would have."""
-    session = await new_session(pool, scope)
-    await sessions.receive_input(pool, scope, session.id, content="x")
-    (run_id,) = await runs_with_status(pool, "ready", session.tree_id)
+    _session, run_id = await _ready(pool, scope)
     await _drop_job(pool, run_id)
     return run_id
 
@@ -623,13 +624,7 @@ async def _ready_root(pool, scope) -> uuid.UUID:
 async def _queued(pool, scope, n: int) -> list[tuple]:
     """`n` sessions of their own trees, each with a ready run whose job is
     due (no claimer listens in these tests): [(session, run)], oldest first."""
-    out = []
-    for _ in range(n):
-        session = await new_session(pool, scope)
-        await sessions.receive_input(pool, scope, session.id, content="queued")
-        (run_id,) = await runs_with_status(pool, "ready", session.tree_id)
-        out.append((session, run_id))
-    return out
+    return [await _ready(pool, scope, "queued") for _ in range(n)]
 
 
 async def test_a_completion_that_hands_nothing_over_takes_the_oldest_queued_run(
@@ -747,10 +742,6 @@ async def _complete_while_held(db_url, pool, scope, hold: str, timeout: float = 
     """Complete a claimed root (with an offer) while another connection
     holds a lock of the one queued run (`hold`: a statement locking it,
     given the run's tree and job): what came back, and the queued run."""
-    import asyncio
-
-    import psycopg
-
     _root, root_run, token = await _claimed_root(pool, scope)
     ((session, q1),) = await _queued(pool, scope, 1)
     job = await _job_of(pool, q1)
@@ -782,8 +773,6 @@ async def test_a_queued_run_whose_tree_or_job_is_busy_is_skipped_without_waiting
 
 async def test_without_skip_locked_the_completion_would_wait_for_the_other_tree(
         db_url, pool, alice):
-    import pytest
-
     await rewrite_function(pool, "yuxi.take_queued_run_v1",
                            "WHERE id = v_tree FOR UPDATE SKIP LOCKED",
                            "WHERE id = v_tree FOR UPDATE")
@@ -792,8 +781,6 @@ async def test_without_skip_locked_the_completion_would_wait_for_the_other_tree(
 
 
 async def test_without_skip_locked_the_completion_would_wait_for_the_job(db_url, pool, alice):
-    import pytest
-
     await rewrite_function(pool, "yuxi.take_queued_run_v1",
                            "AND j.status = 'todo'\n       FOR UPDATE SKIP LOCKED",
                            "AND j.status = 'todo'\n       FOR UPDATE")
