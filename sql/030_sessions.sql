@@ -62,6 +62,7 @@ DECLARE
     v_token uuid := CASE WHEN v_ready THEN yuxi.take_hand_over_v1(p_tree.id, v_run) END;
     v_host text := CASE WHEN v_token IS NOT NULL THEN yuxi.hand_over_host_v1() END;
     v_claimer integer := CASE WHEN v_token IS NOT NULL THEN yuxi.hand_over_claimer_v1() END;
+    v_row yuxi.runs;
 BEGIN
     INSERT INTO yuxi.runs (id, turn_id, session_id, tree_id, user_id, app_id, config, status,
                            lease_token, lease_expires_at, started_at, host_id, claimer)
@@ -72,7 +73,8 @@ BEGIN
             v_token,
             CASE WHEN v_token IS NOT NULL THEN yuxi.hand_over_lease_expiry_v1() END,
             CASE WHEN v_token IS NOT NULL THEN now() END,
-            v_host, v_claimer);
+            v_host, v_claimer)
+    RETURNING * INTO v_row;
     IF v_ready THEN
         INSERT INTO yuxi.slot_claims (run_id, tree_id) VALUES (v_run, p_turn.tree_id);
         IF v_token IS NULL THEN
@@ -84,9 +86,7 @@ BEGIN
     IF v_token IS NULL THEN
         RETURN NULL;
     END IF;
-    PERFORM yuxi.emit_event_v1(p_turn.tree_id, p_turn.session_id, p_turn.id, v_run,
-                               'run.started', jsonb_strip_nulls(jsonb_build_object(
-                                   'attempt', 1, 'host', v_host, 'handed_over', true)));
+    PERFORM yuxi.emit_run_started_v1(v_row, 'handed_over');
     RETURN v_run;
 END;
 $$;

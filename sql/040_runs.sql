@@ -82,12 +82,24 @@ BEGIN
     IF NOT FOUND THEN
         RETURN NULL;
     END IF;
-    PERFORM yuxi.emit_event_v1(v_run.tree_id, v_run.session_id, v_run.turn_id, p_run,
+    PERFORM yuxi.emit_run_started_v1(v_run, p_how);
+    RETURN v_run;
+END;
+$$;
+
+-- `run.started` of a run just leased: its attempt, its worker's host, and
+-- `p_how` as a flag when given. Written here only: by lease_run_v1, and by
+-- start_turn_run_v1 (sql/030_sessions.sql) for a turn's first run created
+-- leased.
+CREATE FUNCTION yuxi.emit_run_started_v1(p_run yuxi.runs, p_how text DEFAULT NULL)
+RETURNS void
+    LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM yuxi.emit_event_v1(p_run.tree_id, p_run.session_id, p_run.turn_id, p_run.id,
                                'run.started', jsonb_strip_nulls(jsonb_build_object(
-                                   'attempt', v_run.attempt, 'host', p_host))
+                                   'attempt', p_run.attempt, 'host', p_run.host_id))
                                || CASE WHEN p_how IS NULL THEN '{}'::jsonb
                                        ELSE jsonb_build_object(p_how, true) END);
-    RETURN v_run;
 END;
 $$;
 

@@ -49,6 +49,12 @@ async def test_the_worker_goes_on_with_the_next_queued_turn_without_a_job(
         assert [e["type"] for e in log if e["turn_id"] == receipt.turn_id] == [
             "input.received", "turn.started", "run.started", "message", "run.completed",
             "turn.completed"]
+    # The next turns' runs were created leased (start_turn_run_v1): their
+    # run.started says so, first attempts on this worker's host.
+    started = [e["data"] for e in log if e["type"] == "run.started"]
+    assert [(d["attempt"], d.get("handed_over", False)) for d in started] == [
+        (1, False), (1, True), (1, True)]
+    assert len({d.get("host") for d in started}) == 1
     assert await scalar(pool, "SELECT count(*) FROM yuxi.slot_claims") == 0
 
 
