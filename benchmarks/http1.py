@@ -3,15 +3,17 @@ connection, one request at a time, on asyncio streams.
 
 The load generator shares the machine with the system it measures; httpx
 spends ~1.3 ms of CPU per request here, this ~0.2 ms, so the measurement
-takes less of the cores the system runs on. It speaks only what the bench
-needs (POST of a JSON body, a response with Content-Length) and fails loudly
-on anything else.
+takes less of the cores the system runs on. It speaks only what the benches
+need (GET, POST of a JSON body, a response with Content-Length, and an SSE
+stream read on a connection of its own) and fails loudly on anything else.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -30,10 +32,39 @@ class Http1Client:
 
     async def post_json(self, path: str, body: Any) -> tuple[int, Any]:
         """(status, decoded JSON body). A kept-alive connection the server
-        closed is reopened and the request sent once more (the bench's
-        requests are idempotent)."""
-        payload = json.dumps(body).encode()
-        request = (f"POST {path} HTTP/1.1\r\n{self._head}"
+        closed is reopened and the request sent once more: a POST whose
+        repetition matters carries a client_request_id."""
+        return await self._request("POST", path, json.dumps(body).encode())
+
+    async def get_json(self, path: str) -> tuple[int, Any]:
+        """(status, decoded JSON body), as post_json."""
+        return await self._request("GET", path, b"")
+
+    async def sse_events(self, path: str) -> AsyncIterator[dict[str, Any]]:
+        """The `data:` payloads (decoded JSON) of a GET's event stream, on a
+        connection of its own, closed when the caller stops iterating (an
+        unfinished stream cannot carry the next request)."""
+        reader, writer = await asyncio.open_connection(self.host, self.port)
+        try:
+            writer.write(f"GET {path} HTTP/1.1\r\n{self._head}\r\n".encode())
+            status, headers = await _read_head(reader)
+            if status != 200 or headers.get("transfer-encoding") != "chunked":
+                raise RuntimeError(f"GET {path}: {status}, {headers}")
+            pending = b""
+            while size := int((await reader.readuntil(b"\r\n")).split(b";")[0], 16):
+                pending += await reader.readexactly(size)
+                await reader.readexactly(2)  # the chunk's CRLF
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    if line.startswith(b"data:"):
+                        yield json.loads(line[5:])
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+
+    async def _request(self, method: str, path: str, payload: bytes) -> tuple[int, Any]:
+        request = (f"{method} {path} HTTP/1.1\r\n{self._head}"
                    f"Content-Length: {len(payload)}\r\n\r\n").encode() + payload
         try:
             return await self._exchange(request)
@@ -46,24 +77,14 @@ class Http1Client:
             self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
         assert self._reader is not None
         self._writer.write(request)
-        status_line = await self._reader.readuntil(b"\r\n")
-        if not status_line:
-            raise ConnectionError("connection closed")
-        status = int(status_line.split(b" ", 2)[1])
-        length, close = None, False
-        while (line := await self._reader.readuntil(b"\r\n")) != b"\r\n":
-            name, _, value = line.decode("latin-1").partition(":")
-            name, value = name.strip().lower(), value.strip()
-            if name == "content-length":
-                length = int(value)
-            elif name == "connection" and value.lower() == "close":
-                close = True
-            elif name == "transfer-encoding":
-                raise RuntimeError(f"unsupported response: transfer-encoding {value}")
-        if length is None:
+        status, headers = await _read_head(self._reader)
+        if "transfer-encoding" in headers:
+            raise RuntimeError(f"unsupported response: transfer-encoding "
+                               f"{headers['transfer-encoding']}")
+        if "content-length" not in headers:
             raise RuntimeError("unsupported response: no Content-Length")
-        data = await self._reader.readexactly(length)
-        if close:
+        data = await self._reader.readexactly(int(headers["content-length"]))
+        if headers.get("connection", "").lower() == "close":
             await self.aclose()
         return status, json.loads(data) if data else None
 
@@ -75,3 +96,15 @@ class Http1Client:
             except ConnectionError:
                 pass
         self._reader = self._writer = None
+
+
+async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
+    """A response's status and headers (names lower-cased)."""
+    status_line = await reader.readuntil(b"\r\n")
+    if not status_line:
+        raise ConnectionError("connection closed")
+    headers = {}
+    while (line := await reader.readuntil(b"\r\n")) != b"\r\n":
+        name, _, value = line.decode("latin-1").partition(":")
+        headers[name.strip().lower()] = value.strip()
+    return int(status_line.split(b" ", 2)[1]), headers

@@ -27,6 +27,11 @@ sequential latency of one client (--sequential turns over 5 sessions).
   database. A turn = POST /turns (enqueue), then GET /turns/{id}/result
   (DBOS's handle.get_result(), waiting for the workflow).
 
+Every side's client is benchmarks.http1's lean HTTP/1.1 client, one
+kept-alive connection per client (the SSE stream on one of its own): it
+shares the two cores with the system it measures, and httpx took ~1.5 ms
+more of a sequential turn than it.
+
 Each side gets a warm-up of 16 turns on sessions of their own first.
 turns/s = turns / (first POST to last result). Latency = POST sent to
 result read. Targets: Yuxi >= 2x DBOS's turns/s, Yuxi's sequential p50
@@ -40,7 +45,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -56,12 +60,12 @@ import psycopg
 from psycopg import sql
 
 from benchmarks import run as bench
+from benchmarks.http1 import Http1Client
 from benchmarks.measure import CpuSnapshot, backend_pids
 
 DEFAULT_URL = "postgresql://postgres@127.0.0.1:5432/yuxi_peers"
 DEFAULT_DBOS_URL = "postgresql://postgres@127.0.0.1:5432/yuxi_peers_dbos"
 WARMUP = 16
-TIMEOUT = 120.0
 
 
 @dataclass
@@ -141,8 +145,7 @@ async def measure_side(side: Side, turn_fn: Any, make_sessions: Any, opts: Any,
 
 class YuxiClient:
     def __init__(self, base: str, key: str, agent_id: uuid.UUID, clients: int) -> None:
-        headers = {"Authorization": f"Bearer {key}"}
-        self.http = [httpx.AsyncClient(base_url=base, headers=headers, timeout=TIMEOUT)
+        self.http = [Http1Client(base, {"Authorization": f"Bearer {key}"})
                      for _ in range(clients)]
         self.agent_id = agent_id
         self.cursors: dict[str, int] = {}
@@ -154,43 +157,47 @@ class YuxiClient:
     async def sessions(self, n: int) -> list[str]:
         out = []
         for i in range(n):
-            r = await self.http[0].post("/api/sessions", json={"agent_id": str(self.agent_id),
-                                                                "title": f"peers {i}"})
-            r.raise_for_status()
-            out.append(r.json()["id"])
+            status, body = await self.http[0].post_json(
+                "/api/sessions", {"agent_id": str(self.agent_id), "title": f"peers {i}"})
+            if status != 201:
+                raise RuntimeError(f"POST session: {status} {body}")
+            out.append(body["id"])
         return out
 
     async def turn_wait(self, c: int, session: str, text: str) -> None:
-        r = await self.http[c].post(f"/api/sessions/{session}/inputs", params={"wait": 60},
-                                    json={"content": text, "mode": "queue"})
-        if r.status_code != 202:
-            raise RuntimeError(f"POST input?wait: {r.status_code} {r.text}")
-        check_result(r.json()["result"], text)
+        status, body = await self.http[c].post_json(
+            f"/api/sessions/{session}/inputs?wait=60", _input(session, text))
+        if status != 202:
+            raise RuntimeError(f"POST input?wait: {status} {body}")
+        check_result(body["result"], text)
 
     async def turn_sse(self, c: int, session: str, text: str) -> None:
         http = self.http[c]
-        r = await http.post(f"/api/sessions/{session}/inputs",
-                            json={"content": text, "mode": "queue"})
-        if r.status_code != 202:
-            raise RuntimeError(f"POST input: {r.status_code} {r.text}")
-        turn_id = r.json()["turn_id"]
+        status, body = await http.post_json(f"/api/sessions/{session}/inputs",
+                                            _input(session, text))
+        if status != 202:
+            raise RuntimeError(f"POST input: {status} {body}")
+        turn_id = body["turn_id"]
         after = self.cursors.get(session, 0)
-        async with http.stream("GET", f"/api/sessions/{session}/events",
-                               params={"after": after}) as stream:
-            done = False
-            async for line in stream.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                event = json.loads(line[5:])
+        done = False
+        async with contextlib.aclosing(
+                http.sse_events(f"/api/sessions/{session}/events?after={after}")) as events:
+            async for event in events:
                 self.cursors[session] = max(self.cursors.get(session, 0), event["seq"])
                 if event["turn_id"] == turn_id and event["type"] in bench.TERMINAL_TURN_EVENTS:
                     done = True
                     break
-            if not done:
-                raise RuntimeError(f"the event stream ended before turn {turn_id} did")
-        r = await http.get(f"/api/turns/{turn_id}/result")
-        r.raise_for_status()
-        check_result(r.json(), text)
+        if not done:
+            raise RuntimeError(f"the event stream ended before turn {turn_id} did")
+        status, body = await http.get_json(f"/api/turns/{turn_id}/result")
+        if status != 200:
+            raise RuntimeError(f"GET result: {status} {body}")
+        check_result(body, text)
+
+
+def _input(session: str, text: str) -> dict[str, str]:
+    """A turn's input; its request id makes a resent POST the same input."""
+    return {"content": text, "mode": "queue", "client_request_id": f"{session} {text}"}
 
 
 def check_result(result: dict[str, Any] | None, text: str) -> None:
@@ -276,7 +283,7 @@ async def fresh_dbos_database(url: str) -> None:
 
 class DbosClient:
     def __init__(self, base: str, clients: int) -> None:
-        self.http = [httpx.AsyncClient(base_url=base, timeout=TIMEOUT) for _ in range(clients)]
+        self.http = [Http1Client(base, {}) for _ in range(clients)]
 
     async def aclose(self) -> None:
         for h in self.http:
@@ -287,13 +294,12 @@ class DbosClient:
 
     async def turn(self, c: int, session: str, text: str) -> None:
         http = self.http[c]
-        r = await http.post("/turns", json={"session_id": session, "text": text})
-        if r.status_code != 202:
-            raise RuntimeError(f"POST turn: {r.status_code} {r.text}")
-        r = await http.get(f"/turns/{r.json()['id']}/result")
-        r.raise_for_status()
-        if r.json()["text"] != f"ok {text}":
-            raise RuntimeError(f"DBOS turn: {r.text}")
+        status, body = await http.post_json("/turns", {"session_id": session, "text": text})
+        if status != 202:
+            raise RuntimeError(f"POST turn: {status} {body}")
+        status, body = await http.get_json(f"/turns/{body['id']}/result")
+        if status != 200 or body["text"] != f"ok {text}":
+            raise RuntimeError(f"DBOS turn: {status} {body}")
 
 
 async def run_dbos(opts: Any, log_dir: Path) -> Side:
