@@ -1,7 +1,7 @@
 """Fan-out, wake and SSE fan-in latency (issue 15), through the real API and
 real workers on a fresh database.
 
-    python -m benchmarks.latency [--scenarios fanout,wake,sse,chain] [--children 64]
+    python -m benchmarks.latency [--scenarios fanout,chain,wake,sse] [--children 64]
         [--delay-ms 200] [--waits 50] [--subscribers 500] [--turns 20] [--interval 1]
         [--database-url URL]
 
@@ -19,10 +19,12 @@ real workers on a fresh database.
    suspension that frees the last chain's slot) and the fan-out's chains
    (the children one slot ran, each handed over by its predecessor):
    start, children, mean cycle.
-   Optional (--scenarios chain): the same fan-out of --chain-children (24)
+   The chain scenario: the same fan-out of --chain-children (24)
    on a tree of one slot, warm-up and --fanouts measured: one chain alone,
    the least a child's slot costs beyond its model's delay here, without
-   the contention of four chains.
+   the contention of four chains. With both, a last line puts the
+   fan-out's floor on this machine (fan_out_floor): its chains cycling as
+   the lone one does.
 2. Wake: --waits root sessions, one after the other, each turn creating one
    child (a 200 ms step, so the parent has suspended by then) and waiting
    for it. Wake = the child's `turn.completed` to the parent's resumed
@@ -213,10 +215,11 @@ async def scenario_fanout(args: Any, log_dir: Path) -> list[str]:
             (receipt["input_id"], root["tree_id"], receipt["turn_id"], status))
         elapsed, done, span = await cur.fetchone()
         elapsed, span = float(elapsed), float(span or 0)
-        parts = await fan_out_parts(conn, root, receipt, args.delay_ms)
+        parts, resume = await fan_out_parts(conn, root, receipt, args.delay_ms)
+        found = await chain_cycles(conn, root, receipt, args.delay_ms)
         chains = "; chains (start ms, children, mean cycle over the delay): " + ", ".join(
             f"+{start:.0f}/{len(cycles) + 1}/+{mean_cycle(cycles):.1f}"
-            for start, cycles in await chain_cycles(conn, root, receipt, args.delay_ms))
+            for start, cycles in found)
         line = (f"fan-out ({attempt}): {args.children} children x {args.delay_ms} ms "
                 f"on {SLOTS} slots: elapsed {elapsed:.3f} s, ideal {ideal:.3f} s, "
                 f"ratio {elapsed / ideal:.2f} (target <= 1.10); children's first "
@@ -227,6 +230,9 @@ async def scenario_fanout(args: Any, log_dir: Path) -> list[str]:
         lines.append(line)
         if attempt != "warm-up":
             ratios.append(elapsed / ideal)
+            if found:
+                start, cycles = found[-1]  # the chain that started last
+                FLOOR_PARTS.append((start, len(cycles) + 1, resume))
     if ratios:
         line = (f"fan-out: {args.children} children x {args.delay_ms} ms on {SLOTS} slots, "
                 f"{len(ratios)} measured: ratio median {statistics.median(ratios):.2f}, range "
@@ -237,13 +243,13 @@ async def scenario_fanout(args: Any, log_dir: Path) -> list[str]:
 
 
 async def fan_out_parts(conn: psycopg.AsyncConnection, root: dict[str, Any],
-                        receipt: dict[str, Any], delay_ms: int) -> str:
+                        receipt: dict[str, Any], delay_ms: int) -> tuple[str, float]:
     """Where a fan-out's time beyond the ideal went: the root's first run
     (its input to its suspension, when its slot goes to the last chain)
     and its phases (`first_phases`), a child's run beyond its model's
     delay (p50 and p90, from its lease to its completion), the root's
     resumed run (the last child's end to the root's), and the runs each
-    worker process executed (runs.claimer)."""
+    worker process executed (runs.claimer); and the resume alone (ms)."""
     cur = await conn.execute(
         """SELECT (SELECT ARRAY[extract(epoch FROM min(e.created_at) FILTER (
                                     WHERE e.type = 'run.started') - i.created_at),
@@ -280,11 +286,12 @@ async def fan_out_parts(conn: psycopg.AsyncConnection, root: dict[str, Any],
     child = child or [0.0, 0.0]
     # The run's last phase ends at its suspension: the whole first run.
     first = float(phases[-1] or 0) * 1000 if phases else 0.0
+    resume = float(resume or 0)
     return (f"root's first run {first:.0f} ms ({first_phases(phases)}), "
             f"a child's run "
             f"+{child[0] - delay_ms:.1f} ms (p90 +{child[1] - delay_ms:.1f}), root's "
-            f"resume {float(resume or 0):.0f} ms, runs per worker "
-            f"{'/'.join(map(str, per_worker or []))}")
+            f"resume {resume:.0f} ms, runs per worker "
+            f"{'/'.join(map(str, per_worker or []))}"), resume
 
 
 def first_phases(marks: list[Any] | None) -> str:
@@ -362,6 +369,7 @@ async def scenario_chain(args: Any, log_dir: Path) -> list[str]:
         lines.append(line)
         if attempt != "warm-up":
             cycles += these
+    LONE_CYCLES.extend(cycles)
     if cycles:
         line = (f"chain: {len(cycles)} cycles measured: mean +{mean_cycle(cycles):.1f} ms, "
                 f"p50 +{pct(cycles, 0.5):.1f}, "
@@ -369,6 +377,35 @@ async def scenario_chain(args: Any, log_dir: Path) -> list[str]:
         print(line, flush=True)
         lines.append(line)
     return lines
+
+
+# What the fan-out's floor line is made of (fan_out_floor): per measured
+# fan-out, its last chain's start (ms after the root's input), its children
+# and the root's resume (ms); the lone chain's cycles (ms over the delay).
+FLOOR_PARTS: list[tuple[float, int, float]] = []
+LONE_CYCLES: list[float] = []
+
+
+def fan_out_floor(children: int, delay_ms: int) -> str | None:
+    """The fan-out as it would take with its chains cycling as one chain
+    alone does: its last chain's start, that chain's children each at the
+    delay plus the lone cycle's mean, and the root's resume (the medians of
+    the measured fan-outs). The elapsed time is those three; what the
+    fan-out's chains pay beyond the lone cycle is their contention. A
+    machine whose floor is over 1.1x cannot meet the target by cutting
+    contention alone."""
+    if not FLOOR_PARTS or not LONE_CYCLES:
+        return None
+    ideal = children * delay_ms / SLOTS
+    start = statistics.median(s for s, _k, _r in FLOOR_PARTS)
+    length = statistics.median(k for _s, k, _r in FLOOR_PARTS)
+    resume = statistics.median(r for _s, _k, r in FLOOR_PARTS)
+    cycle = mean_cycle(LONE_CYCLES)
+    floor = start + length * (delay_ms + cycle) + resume
+    return (f"fan-out floor (its chains at the lone chain's cycle): last chain's start "
+            f"+{start:.0f} ms, {length:.0f} children x ({delay_ms} + {cycle:.1f}) ms, the "
+            f"root's resume {resume:.0f} ms: {floor / 1000:.3f} s, ratio {floor / ideal:.3f} "
+            f"(target <= 1.10)")
 
 
 # --------------------------------------------------------------------------
@@ -820,6 +857,9 @@ async def main_async(args: Any) -> None:
                             log.read_text(errors="replace").splitlines()[-15:])
                     print(line, flush=True)
                     lines.append(line)
+    if (line := fan_out_floor(args.children, args.delay_ms)) is not None:
+        print(line, flush=True)
+        lines.append(line)
     speed.append(machine_speed())
     print("\nlatency summary:")
     for line in lines:
@@ -833,10 +873,10 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.latency", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--scenarios", default="fanout,wake,sse")
+    p.add_argument("--scenarios", default="fanout,chain,wake,sse")
     p.add_argument("--children", type=int, default=64)
     p.add_argument("--chain-children", type=int, default=24,
-                   help="children of the one-slot fan-out (--scenarios chain)")
+                   help="children of the one-slot fan-out (the chain scenario)")
     p.add_argument("--fanouts", type=int, default=3,
                    help="measured fan-outs after the warm-up one (default 3)")
     p.add_argument("--workers", type=int, default=2,
