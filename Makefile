@@ -72,7 +72,7 @@ bench-peers: setup $(BENCH_STAMP) ## the peers' workload through Yuxi and throug
 bench-storage: setup ## bytes per turn of a 1,000-turn session (~30 s)
 	$(BIN)/python -m benchmarks.storage $(BENCH_ARGS)
 
-bench-latency: setup ## fan-out of 64 children, wake p50/p99, SSE fan-in to 500 subscribers (~2 min)
+bench-latency: setup ## fan-out of 64 children and its floor (a lone chain), wake p50/p99, SSE fan-in to 500 subscribers (~2.5 min)
 	$(BIN)/python -m benchmarks.latency $(BENCH_ARGS)
 
 bench-all: bench bench-scale bench-peers bench-storage bench-latency ## every benchmark, one after the other (~12 min)
