@@ -75,7 +75,7 @@ bench-storage: setup ## bytes per turn of a 1,000-turn session (~30 s)
 bench-latency: setup ## fan-out of 64 children and its floor (a lone chain), wake p50/p99, SSE fan-in to 500 subscribers (~2.5 min)
 	$(BIN)/python -m benchmarks.latency $(BENCH_ARGS)
 
-bench-all: bench bench-scale bench-peers bench-storage bench-latency ## every benchmark, one after the other (~12 min)
+bench-all: bench bench-scale bench-peers bench-storage bench-latency ## every benchmark, one after the other (~7-10 min on 2 vCPUs)
 
 chaos: setup ## kill workers and APIs, restart PostgreSQL, terminate backends during a fan-out; report losses
 	$(BIN)/python -m benchmarks.chaos
