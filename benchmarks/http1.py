@@ -19,12 +19,15 @@ from urllib.parse import urlsplit
 
 
 class Http1Client:
-    def __init__(self, base_url: str, headers: dict[str, str]) -> None:
+    def __init__(self, base_url: str, headers: dict[str, str], timeout: float = 120.0) -> None:
+        """`timeout`: the most a response, or a stream's next chunk, may
+        take (s); then TimeoutError, the connection closed."""
         url = urlsplit(base_url)
         if url.scheme != "http" or not url.hostname or not url.port:
             raise ValueError(f"need http://host:port, got {base_url!r}")
         self.host, self.port = url.hostname, url.port
         extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        self.timeout = timeout
         self._head = (f"Host: {self.host}:{self.port}\r\n"
                       "Content-Type: application/json\r\n" + extra)
         self._reader: asyncio.StreamReader | None = None
@@ -47,13 +50,12 @@ class Http1Client:
         reader, writer = await asyncio.open_connection(self.host, self.port)
         try:
             writer.write(f"GET {path} HTTP/1.1\r\n{self._head}\r\n".encode())
-            status, headers = await _read_head(reader)
+            status, headers = await asyncio.wait_for(_read_head(reader), self.timeout)
             if status != 200 or headers.get("transfer-encoding") != "chunked":
                 raise RuntimeError(f"GET {path}: {status}, {headers}")
             pending = b""
-            while size := int((await reader.readuntil(b"\r\n")).split(b";")[0], 16):
-                pending += await reader.readexactly(size)
-                await reader.readexactly(2)  # the chunk's CRLF
+            while chunk := await asyncio.wait_for(_read_chunk(reader), self.timeout):
+                pending += chunk
                 *lines, pending = pending.split(b"\n")
                 for line in lines:
                     if line.startswith(b"data:"):
@@ -67,10 +69,15 @@ class Http1Client:
         request = (f"{method} {path} HTTP/1.1\r\n{self._head}"
                    f"Content-Length: {len(payload)}\r\n\r\n").encode() + payload
         try:
-            return await self._exchange(request)
-        except (ConnectionError, asyncio.IncompleteReadError):
-            await self.aclose()
-            return await self._exchange(request)
+            async with asyncio.timeout(self.timeout):
+                try:
+                    return await self._exchange(request)
+                except (ConnectionError, asyncio.IncompleteReadError):
+                    await self.aclose()
+                    return await self._exchange(request)
+        except TimeoutError:
+            await self.aclose()  # a late response would answer the next request
+            raise TimeoutError(f"{method} {path}: no response in {self.timeout} s") from None
 
     async def _exchange(self, request: bytes) -> tuple[int, Any]:
         if self._writer is None:
@@ -96,6 +103,16 @@ class Http1Client:
             except ConnectionError:
                 pass
         self._reader = self._writer = None
+
+
+async def _read_chunk(reader: asyncio.StreamReader) -> bytes:
+    """The next chunk of a chunked body; b"" for the last one."""
+    size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+    if not size:
+        return b""
+    data = await reader.readexactly(size)
+    await reader.readexactly(2)  # the chunk's CRLF
+    return data
 
 
 async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
