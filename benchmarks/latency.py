@@ -386,20 +386,24 @@ FLOOR_PARTS: list[tuple[list[tuple[float, int]], float]] = []
 LONE_CYCLES: list[float] = []
 
 
-def fan_out_floor(children: int, delay_ms: int) -> str | None:
+def fan_out_floor(children: int, delay_ms: int,
+                  parts: list[tuple[list[tuple[float, int]], float]] = FLOOR_PARTS,
+                  lone_cycles: list[float] = LONE_CYCLES) -> str | None:
     """The fan-out as it would take with its chains cycling as one chain
     alone does: the chain that would end last (its start, then its children
     each at the delay plus the lone cycle's mean), then the root's resume;
     the median of the measured fan-outs' floors (the higher middle one of
     an even number). The elapsed time is those three; what the fan-out's
     chains pay beyond the lone cycle is their contention. A machine whose
-    floor is over 1.1x cannot meet the target by cutting contention alone."""
-    if not FLOOR_PARTS or not LONE_CYCLES:
+    floor is over 1.1x cannot meet the target by cutting contention alone.
+    `parts` and `lone_cycles`: what the scenarios recorded (FLOOR_PARTS,
+    LONE_CYCLES)."""
+    if not parts or not lone_cycles:
         return None
     ideal = children * delay_ms / SLOTS
-    cycle = mean_cycle(LONE_CYCLES)
+    cycle = mean_cycle(lone_cycles)
     floors = sorted((start + k * (delay_ms + cycle) + resume, start, k, resume)
-                    for chains, resume in FLOOR_PARTS
+                    for chains, resume in parts
                     for start, k in [max(chains, key=lambda c: c[0] + c[1] * (delay_ms + cycle))])
     floor, start, k, resume = floors[len(floors) // 2]
     return (f"fan-out floor (its chains at the lone chain's cycle): the chain ending last "
