@@ -8,8 +8,11 @@ import uuid
 import psycopg
 import pytest
 
+from langgraph.types import interrupt
+
 from tests.integration.helpers import (
-    drain, executor, new_session, rows, runs_with_status, scalar, rewrite_function)
+    drain, events, executor, new_session, rows, runs_with_status, scalar, rewrite_function)
+from yuxi.runtime import cooperation
 from yuxi.runtime.replay import ReplayChatModel
 from yuxi.services import conversation, runs, sessions
 
@@ -382,3 +385,43 @@ async def test_a_wait_met_while_it_suspends_goes_on_from_the_wait(
     result = await sessions.get_result(pool, scope, receipt.turn_id)
     assert result.output["text"] == "done job 0 at /root/w0"
     assert await scalar(pool, "SELECT count(*) FROM yuxi.sessions WHERE parent_id IS NOT NULL") == 1
+
+
+@pytest.mark.parametrize("named", [True, False])
+async def test_a_resumed_wait_runs_again_without_starting_again(
+        pool, checkpoint_pool, alice, monkeypatch, named):
+    """The resume re-executes the wait call from its start; its `tool.started`
+    committed before it suspended, so the resume run records no start for it
+    (no round trip, no tree lock), while the step after it starts its calls
+    as ever. An interrupt that does not name its call (one saved before
+    interrupts did) is started again, as a new call is."""
+    scope = alice[1]
+    if not named:
+        async def unnamed(ctx, kind, targets, cursor, timeout):
+            return interrupt({"kind": kind, "targets": [str(t) for t in targets],
+                              "cursor": cursor, "timeout_s": timeout})
+
+        monkeypatch.setattr(cooperation, "_suspend_or_answer", unnamed)
+    root = await new_session(pool, scope, orchestrator(children=2))
+    receipt = await sessions.receive_input(pool, scope, root.id, content="orchestrate")
+    (root_run,) = await runs_with_status(pool, "ready")
+    assert await executor(pool, checkpoint_pool, continued_runs=0).execute(
+        root_run) == "suspended"
+    # From here on, every call of start_tool_calls_v1 leaves its tools' names.
+    async with pool.connection() as conn:
+        await conn.execute("CREATE TABLE public.started_calls (tool text)")
+    await rewrite_function(pool, "yuxi.start_tool_calls_v1", "BEGIN\n", """BEGIN
+        INSERT INTO public.started_calls
+        SELECT e->'data'->>'tool' FROM jsonb_array_elements(p_events) e;
+        """)
+    await drain(pool, checkpoint_pool)
+    result = await sessions.get_result(pool, scope, receipt.turn_id)
+    assert result.status == "completed", result.error
+    assert result.output["text"] == "done job 0 at /root/w0 | done job 1 at /root/w1"
+    started = [r["tool"] for r in await rows(pool, "SELECT tool FROM public.started_calls")]
+    # The step after the wait (two get_result calls) starts as ever.
+    assert started == (["get_result"] * 2 if named else ["wait_inputs"] + ["get_result"] * 2)
+    # The wait's start is recorded once either way (its dedupe key).
+    assert [e["data"]["tool"] for e in await events(pool, root.tree_id)
+            if e["type"] == "tool.started" and e["session_id"] == root.id].count(
+        "wait_inputs") == 1

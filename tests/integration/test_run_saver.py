@@ -818,10 +818,11 @@ async def test_a_resumed_runs_answer_goes_with_the_calls_start(pool, checkpoint_
     writes.clear()
     assert await executor(pool, checkpoint_pool, continued_runs=0).execute(resumed) \
         == "completed"
-    # The answer to the interrupt with the wait's tool.started again | the
-    # wait's result with the step that applied it | the model's writes and
-    # its step with the completion: three round trips.
-    assert writes == ["1 with tool.started", 3, "3 with completion"], writes
+    # The answer to the interrupt with the wait's result and the step that
+    # applied it (the wait's tool.started is not sent again:
+    # EventReporter.started_before) | the model's writes and its step with
+    # the completion: two round trips.
+    assert writes == [4, "3 with completion"], writes
     result = await sessions.get_result(pool, scope, receipt.turn_id)
     assert (result.status, result.output["text"]) == ("completed", "woke: completed")
 
@@ -829,13 +830,25 @@ async def test_a_resumed_runs_answer_goes_with_the_calls_start(pool, checkpoint_
 async def test_a_resumed_run_cut_off_as_its_answer_goes_out_is_resumed_again(
         pool, checkpoint_pool, alice, monkeypatch):
     # The connection dies as the answer to the interrupt and the wait's
-    # tool.started go out: neither is there; the next run of the turn gets
-    # the same answer (the run's resume) and the turn ends as it would have.
+    # result go out: neither is there; the next run of the turn gets the
+    # same answer (the run's resume) and the turn ends as it would have.
     scope = alice[1]
     session, receipt, resumed = await _resumed_parent(pool, checkpoint_pool, scope)
-    original = _cut_off_at(monkeypatch, "start_tool_calls", held=True, close=True)
+    original = RunSaver._write
+    cut: list[int] = []
+
+    async def cut_off(self, ops):
+        if self._held:  # the answer to the interrupt, held for the result
+            cut.append(len(self._held) + len(ops))
+            await self.conn.close()
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return await original(self, ops)
+
+    monkeypatch.setattr(RunSaver, "_write", cut_off)
     assert await executor(pool, checkpoint_pool, continued_runs=0).execute(resumed) \
         == "infra_fault"
+    assert cut == [4]
     assert await _saved_on(pool, session, "__resume__") == 0
-    monkeypatch.setattr(RunSaver, "write_with", original)
+    assert await _tools_finished(pool, session) == 1  # the create's; not the wait's
+    monkeypatch.setattr(RunSaver, "_write", original)
     await _woken_after_recovery(pool, checkpoint_pool, scope, receipt, resumed)

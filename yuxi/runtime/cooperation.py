@@ -280,9 +280,11 @@ def _one_wait_per_step(ctx: ToolContext) -> None:
 async def _suspend_or_answer(ctx: ToolContext, kind: str, targets: list[uuid.UUID],
                              cursor: dict[str, int], timeout: float) -> dict[str, Any]:
     """Suspend the run (the resume run re-executes this tool from its start);
-    returns the resume payload: {"reason": satisfied|steer|timeout|ready|cycle}."""
+    returns the resume payload: {"reason": satisfied|steer|timeout|ready|cycle}.
+    The interrupt names the call: the run that re-executes it knows that the
+    call's `tool.started` is committed already (executor.resumed_waits)."""
     return interrupt({"kind": kind, "targets": [str(t) for t in targets], "cursor": cursor,
-                      "timeout_s": timeout})
+                      "timeout_s": timeout, "call_id": ctx.call_id})
 
 
 async def wait_sessions(ctx: ToolContext, args: dict[str, Any]) -> Any:

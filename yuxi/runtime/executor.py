@@ -30,7 +30,7 @@ from psycopg_pool import AsyncConnectionPool
 from yuxi import db
 from yuxi.errors import LeaseLost, SandboxElsewhere, YuxiError, is_connection_error
 from yuxi.runtime.calls import CallPolicy
-from yuxi.runtime.graph import build_graph, set_history
+from yuxi.runtime.graph import build_graph, set_history, started_before
 from yuxi.runtime.group_commit import GroupCommit
 from yuxi.runtime.live import CallCancelled, WorkerListener, DeltaBatcher
 from yuxi.runtime.models import build_chat_model
@@ -78,6 +78,8 @@ class EventReporter:
         self._running = 0
         self._starts = GroupCommit(self._start_calls)
         self._finishes = GroupCommit(self._finish_calls)
+        # Wait calls a resume re-executes (started_before).
+        self._resumed: set[str] = set()
 
     async def _emit(self, type_: str, data: dict[str, Any], key: str) -> None:
         await runs.emit(self.pool, self.run_id, self.token, type_, data, f"{self.turn_id}:{key}")
@@ -112,12 +114,27 @@ class EventReporter:
         was committed (checked before each tool call, in the same statement;
         a step's parallel calls go in one: yuxi.runtime.group_commit)."""
         self._running += 1
+        if call["id"] in self._resumed:
+            self._resumed.discard(call["id"])
+            return
         try:
             if not await self._starts.submit(call):
                 raise TurnCancelled(f"turn {self.turn_id} was cancelled")
         except BaseException:
             self._running -= 1  # the call does not run
             raise
+
+    def started_before(self, call_ids: list[str]) -> None:
+        """Wait calls that a resume re-executes from their start: each one's
+        `tool.started` committed before the call ran and suspended, and a
+        wait has no effect, so it runs again without that round trip (which
+        would record nothing: its dedupe key) and without a check of its own
+        for a cancel. The resume's lease checked for one an instant before;
+        one committed since is met at the completion, or at once by a real
+        model's call (RunExecutor._watched_turn). Calls that act after an
+        approval keep their check: only wait interrupts name calls here
+        (resumed_waits)."""
+        self._resumed.update(call_ids)
 
     async def tool_finished(self, call: dict[str, Any], result: str) -> None:
         self._running -= 1
@@ -293,7 +310,18 @@ class Suspended(Exception):
         return None
 
     def cooperation_wait(self) -> dict[str, Any]:
-        return next(i.value for i in self.interrupts if i.value.get("kind") in ("sessions", "inputs"))
+        return next(i.value for i in self.interrupts if i.value.get("kind") in WAIT_KINDS)
+
+
+# The interrupts of the wait tools (yuxi.runtime.cooperation).
+WAIT_KINDS = ("sessions", "inputs")
+
+
+def resumed_waits(interrupts: list[Any]) -> list[str]:
+    """The wait calls that answering these interrupts re-executes (their
+    interrupts name them; one saved before they did names none)."""
+    return [i.value["call_id"] for i in interrupts
+            if i.value.get("kind") in WAIT_KINDS and i.value.get("call_id")]
 
 
 class TurnConversation:
@@ -455,6 +483,7 @@ async def drive(graph: Any, cfg: dict[str, Any], run: dict[str, Any],
                 command = Command(resume=resume["answer"])
             else:
                 command = Command(resume=resume)
+            started_before(graph, resumed_waits(state.interrupts))
             values = await graph.ainvoke(command, cfg, durability="sync")
         elif state.next or state.tasks:
             # `tasks` without `next`: a step's tasks finished and their writes

@@ -63,9 +63,11 @@ class RunReporter(Protocol):
     async def message(self, message: AIMessage) -> None: ...
     async def tool_started(self, call: dict[str, Any]) -> None: ...
     async def tool_finished(self, call: dict[str, Any], result: str) -> None: ...
-    # Optional: text deltas while the model streams, token usage of a call.
+    # Optional: text deltas while the model streams, token usage of a call,
+    # the calls a resume re-executes whose start is recorded already.
     # async def delta(self, message_id: str, text: str) -> None: ...
     # async def usage(self, prompt_tokens: int, completion_tokens: int) -> None: ...
+    # def started_before(self, call_ids: list[str]) -> None: ...
 
 
 def tool_message_id(call_id: str) -> str:
@@ -189,6 +191,14 @@ def build_graph(
         on_usage=getattr(reporter, "usage", None))
     return _topology().copy(update={"checkpointer": checkpointer}).with_config(
         configurable={DEPS: deps})
+
+
+def started_before(graph: Any, call_ids: list[str]) -> None:
+    """Tell the run's reporter (if it cares) that these calls, which the
+    graph is about to re-execute, recorded their start before."""
+    mark = getattr(_deps(graph.config).reporter, "started_before", None)
+    if mark is not None and call_ids:
+        mark(call_ids)
 
 
 def set_history(graph: Any, history: list[AnyMessage]) -> None:
