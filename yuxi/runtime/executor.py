@@ -112,7 +112,9 @@ class EventReporter:
     async def tool_started(self, call: dict[str, Any]) -> None:
         """The call's `tool.started`, or TurnCancelled when a cancel intent
         was committed (checked before each tool call, in the same statement;
-        a step's parallel calls go in one: yuxi.runtime.group_commit)."""
+        a step's parallel calls go in one: yuxi.runtime.group_commit). Not
+        for a wait call a resume re-executes: its start is recorded already
+        (started_before)."""
         self._running += 1
         if call["id"] in self._resumed:
             self._resumed.discard(call["id"])
