@@ -8,11 +8,12 @@ import uuid
 import psycopg
 import pytest
 
-from langgraph.types import interrupt
+from langgraph.types import Interrupt, interrupt
 
 from tests.integration.helpers import (
     drain, events, executor, new_session, rows, runs_with_status, scalar, rewrite_function)
 from yuxi.runtime import cooperation
+from yuxi.runtime.executor import resumed_waits
 from yuxi.runtime.replay import ReplayChatModel
 from yuxi.services import conversation, runs, sessions
 
@@ -425,3 +426,17 @@ async def test_a_resumed_wait_runs_again_without_starting_again(
     assert [e["data"]["tool"] for e in await events(pool, root.tree_id)
             if e["type"] == "tool.started" and e["session_id"] == root.id].count(
         "wait_inputs") == 1
+
+
+def test_only_wait_interrupts_name_calls_to_resume_without_a_start():
+    interrupts = [
+        # An approval names its call too, but the call acts once approved:
+        # its start keeps the cancel check.
+        Interrupt(value={"kind": "approval", "call_id": "act", "tool": "add_note"}, id="1"),
+        Interrupt(value={"kind": "questions", "questions": []}, id="2"),
+        Interrupt(value={"kind": "inputs", "targets": [], "call_id": "w1"}, id="3"),
+        Interrupt(value={"kind": "sessions", "targets": [], "call_id": "w2"}, id="4"),
+        # Saved before interrupts named their call: started again, as new.
+        Interrupt(value={"kind": "inputs", "targets": []}, id="5"),
+    ]
+    assert resumed_waits(interrupts) == ["w1", "w2"]
