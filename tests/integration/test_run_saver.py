@@ -811,8 +811,8 @@ async def test_a_run_cut_off_as_its_tool_step_is_saved_calls_again_without_a_sec
         "human", "ai", "tool", "ai", "tool", "ai"]
 
 
-async def test_a_resumed_runs_answer_goes_with_the_calls_start(pool, checkpoint_pool, alice,
-                                                              writes):
+async def test_a_resumed_runs_answer_goes_with_the_waits_result(pool, checkpoint_pool, alice,
+                                                               writes):
     scope = alice[1]
     session, receipt, resumed = await _resumed_parent(pool, checkpoint_pool, scope)
     writes.clear()

@@ -277,6 +277,11 @@ def _one_wait_per_step(ctx: ToolContext) -> None:
                         "call one wait tool per step; merge the targets into one call")
 
 
+# The kinds of the wait tools' interrupts (the executor tells them from a
+# user's approvals and questions).
+WAIT_KINDS = ("sessions", "inputs")
+
+
 async def _suspend_or_answer(ctx: ToolContext, kind: str, targets: list[uuid.UUID],
                              cursor: dict[str, int], timeout: float) -> dict[str, Any]:
     """Suspend the run (the resume run re-executes this tool from its start);

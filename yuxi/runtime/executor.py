@@ -312,18 +312,15 @@ class Suspended(Exception):
         return None
 
     def cooperation_wait(self) -> dict[str, Any]:
-        return next(i.value for i in self.interrupts if i.value.get("kind") in WAIT_KINDS)
-
-
-# The interrupts of the wait tools (yuxi.runtime.cooperation).
-WAIT_KINDS = ("sessions", "inputs")
+        return next(i.value for i in self.interrupts
+                    if i.value.get("kind") in cooperation.WAIT_KINDS)
 
 
 def resumed_waits(interrupts: list[Any]) -> list[str]:
     """The wait calls that answering these interrupts re-executes (their
     interrupts name them; one saved before they did names none)."""
     return [i.value["call_id"] for i in interrupts
-            if i.value.get("kind") in WAIT_KINDS and i.value.get("call_id")]
+            if i.value.get("kind") in cooperation.WAIT_KINDS and i.value.get("call_id")]
 
 
 class TurnConversation:
