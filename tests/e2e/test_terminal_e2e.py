@@ -7,6 +7,7 @@ import io
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import uuid
@@ -52,11 +53,20 @@ ORCHESTRATOR = {"model": "replay", "tools": ["cooperation"], "replay": {"rules":
 ]}}
 
 
+def _as_in_a_terminal() -> None:
+    """The child's Ctrl-C as a terminal's foreground program has it. A
+    suite started in the background by a shell without job control (`make
+    test &` in a script) ignores SIGINT, and an ignored signal stays ignored
+    across exec: the binary would then ignore `sendintr` as such a background
+    job should, and the test would wait for an exit that never comes."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def spawn(args: list[str], url: str, key: str, **kw) -> pexpect.spawn:
     env = {k: v for k, v in os.environ.items() if not k.startswith("YUXI_")}
     env.update(YUXI_URL=url, YUXI_KEY=key, TERM="dumb")
     return pexpect.spawn(YUXI, args, env=env, encoding="utf-8", timeout=30,
-                         dimensions=(40, 200), **kw)
+                         dimensions=(40, 200), preexec_fn=_as_in_a_terminal, **kw)
 
 
 def run(args: list[str], url: str, key: str) -> subprocess.CompletedProcess:
@@ -249,3 +259,23 @@ async def test_tail_and_tree(worker, api, alice):
     assert no_key.returncode == 2 and "no API key" in no_key.stderr
     no_agent = run(["chat", "--agent", "nobody"], api, key)
     assert no_agent.returncode == 4 and "nobody" in no_agent.stderr
+
+
+async def test_ctrl_c_reaches_a_tail_while_the_suite_ignores_it(api, alice):
+    """The harness guard `_as_in_a_terminal`: with SIGINT ignored in this
+    process (the suite run as a background job), a spawned tail still takes
+    Ctrl-C as a terminal's foreground program does (without the guard it
+    ignores it and never exits)."""
+    key, _ = alice
+    async with client(api, key) as http:
+        agent = ok(await http.post("/api/agents", json={"name": "ignored-sigint",
+                                                        "config": SCRIPT}), 201)
+        session = ok(await http.post("/api/sessions", json={"agent_id": agent["id"]}), 201)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        tail = spawn(["tail", session["id"]], api, key)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    tail.expect(r"#1 · session /root created")
+    tail.sendintr()
+    assert exit_status(tail) == 130
