@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import random
 import sys
+from decimal import Decimal
 
 import pytest
 
@@ -79,15 +80,22 @@ async def test_a_worker_process_has_one_listen_connection_that_wakes_its_jobs(st
     # at its next poll (every 0.25 s; inserted at random phases, five jobs
     # all fetched within 80 ms by polling is a 0.3 % chance): a job of no
     # task fails and stays, with the times of its insert and of its fetch.
-    delays = []
-    for _ in range(5):
+    async def fetched_after() -> Decimal:
         job = pg.scalar("SELECT yuxi.defer_job_v1('runs', 'no_such_task', '{}'::jsonb, now())")
         await wait_for(lambda: asyncio.sleep(0, pg.scalar(
             "SELECT status::text FROM procrastinate.procrastinate_jobs WHERE id = %s",
             (job,)) == "failed"), 10, "the job's failure")
-        delays.append(pg.scalar(
+        return pg.scalar(
             "SELECT extract(epoch FROM max(at) FILTER (WHERE type = 'started')"
             " - max(at) FILTER (WHERE type = 'deferred')) FROM procrastinate.procrastinate_events"
-            " WHERE job_id = %s", (job,)))
+            " WHERE job_id = %s", (job,))
+
+    # A first job, not measured: a worker just started may still be busy
+    # with its start (stop 57's whole-suite run fetched the first of five
+    # after 257 ms, the other four after 2-3 ms).
+    await fetched_after()
+    delays = []
+    for _ in range(5):
         await asyncio.sleep(random.uniform(0, 0.25))
+        delays.append(await fetched_after())
     assert max(delays) < 0.08, delays
