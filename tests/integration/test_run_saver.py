@@ -194,14 +194,8 @@ async def test_a_run_cut_off_before_its_held_input_is_written_starts_the_turn_ag
     session = await new_session(pool, scope, say_agent("answer to {{ input }}", delay_ms=50))
     receipt = await sessions.receive_input(pool, scope, session.id, content="q")
     (run_id,) = await runs_with_status(pool, "ready")
-    original = RunSaver._write
-
-    async def cut_off(self, ops):
-        if self._held:  # the connection dies as the held input would go out
-            raise psycopg.OperationalError("server closed the connection unexpectedly")
-        return await original(self, ops)
-
-    monkeypatch.setattr(RunSaver, "_write", cut_off)
+    # The connection dies as the held input would go out.
+    original, _ = _cut_off_held_write(monkeypatch)
     assert await executor(pool, checkpoint_pool).execute(run_id) == "infra_fault"
     assert await conversation.messages(checkpoint_pool, session.id) == []
     monkeypatch.setattr(RunSaver, "_write", original)
@@ -324,6 +318,25 @@ async def test_an_answer_with_tool_calls_is_saved_with_the_calls_start(
     assert len({r["tx"] for r in found}) == 1
     assert [r["seq"] for r in found] == list(range(found[0]["seq"], found[0]["seq"] + 3))
     # (That the answer's step commits with them: the cut-off test below.)
+
+
+def _cut_off_held_write(monkeypatch, close: bool = False):
+    """The connection dies as the saver's held writes would go out (closed,
+    when `close`). Returns the original `_write`, to put back, and the
+    number of statements of each write cut off (held and new)."""
+    original = RunSaver._write
+    cut: list[int] = []
+
+    async def cut_off(self, ops):
+        if self._held:
+            cut.append(len(self._held) + len(ops))
+            if close:
+                await self.conn.close()
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return await original(self, ops)
+
+    monkeypatch.setattr(RunSaver, "_write", cut_off)
+    return original, cut
 
 
 def _cut_off_at(monkeypatch, fragment: str, held: bool = False, close: bool = False):
@@ -834,17 +847,8 @@ async def test_a_resumed_run_cut_off_as_its_answer_goes_out_is_resumed_again(
     # same answer (the run's resume) and the turn ends as it would have.
     scope = alice[1]
     session, receipt, resumed = await _resumed_parent(pool, checkpoint_pool, scope)
-    original = RunSaver._write
-    cut: list[int] = []
-
-    async def cut_off(self, ops):
-        if self._held:  # the answer to the interrupt, held for the result
-            cut.append(len(self._held) + len(ops))
-            await self.conn.close()
-            raise psycopg.OperationalError("server closed the connection unexpectedly")
-        return await original(self, ops)
-
-    monkeypatch.setattr(RunSaver, "_write", cut_off)
+    # The answer to the interrupt is held for the result.
+    original, cut = _cut_off_held_write(monkeypatch, close=True)
     assert await executor(pool, checkpoint_pool, continued_runs=0).execute(resumed) \
         == "infra_fault"
     assert cut == [4]
