@@ -111,7 +111,7 @@ async def test_api_and_worker_metrics(start_worker, api, alice, pg):
 
         # Another worker recovers it and counts the recovery.
         port2 = free_port()
-        start_worker(YUXI_WORKER_METRICS_PORT=str(port2))
+        recovering = start_worker(YUXI_WORKER_METRICS_PORT=str(port2))
 
         async def recovered():
             try:
@@ -124,6 +124,10 @@ async def test_api_and_worker_metrics(start_worker, api, alice, pg):
         async def unstuck():
             return value(scrape(api_url), "yuxi_stuck_runs", kind="lease_expired") == 0
         await wait_for(unstuck, 10, "no stuck run")
+        # The recovered run's 20 s model call would hold that worker's
+        # graceful stop (a replay call is not aborted mid-call: it stops at
+        # boundaries) past the teardown's 10 s: end it as the first one ended.
+        recovering.kill9()
 
 
 async def _status(http, turn_id: str, status: str) -> bool:
