@@ -179,16 +179,38 @@ async def test_hand_over_goes_on_past_the_bound_while_the_process_has_a_free_slo
     assert await _jobs(pool) == [str(kids[0])]  # no job for any later child
 
 
-async def test_a_stopping_worker_bounds_its_chains(pool, checkpoint_pool, alice):
-    # Negative of the above: a stopping worker (free slots or not) ends its
-    # chains within the bound, so that it stops in bounded time.
+async def test_a_stopping_worker_goes_on_with_no_run(pool, checkpoint_pool, alice):
+    # Negative of the above: a stopping worker (free slots or not) takes on
+    # nothing after the run it has: the next child gets a job, for another
+    # worker, and this one can exit once its run ends.
     kids = await _four_kids_on_one_slot(pool, alice[1])
-    worker = executor(pool, checkpoint_pool, continued_runs=1, worker_concurrency=2)
+    worker = executor(pool, checkpoint_pool, worker_concurrency=2)
     worker.stop_claims()
     assert await worker.execute(kids[0]) == "completed"
-    assert [await _status(pool, k) for k in kids] == ["completed", "completed", "ready",
+    assert [await _status(pool, k) for k in kids] == ["completed", "ready", "pending",
                                                       "pending"]
-    assert await _jobs(pool) == [str(kids[0]), str(kids[2])]
+    assert await _jobs(pool) == [str(kids[0]), str(kids[1])]
+
+
+async def test_a_worker_told_to_stop_mid_run_takes_nothing_on(
+        pool, checkpoint_pool, alice, monkeypatch):
+    # SIGTERM while a run is in flight: its completion hands over nothing
+    # (whether to go on is asked at the completion, not at the run's start).
+    from yuxi.runtime import graph as graph_module
+
+    kids = await _four_kids_on_one_slot(pool, alice[1])
+    worker = executor(pool, checkpoint_pool, worker_concurrency=2)
+    real = graph_module.call_chat_model
+
+    def stop_meanwhile(*args):
+        worker.stop_claims()
+        return real(*args)
+
+    monkeypatch.setattr(graph_module, "call_chat_model", stop_meanwhile)
+    assert await worker.execute(kids[0]) == "completed"
+    assert [await _status(pool, k) for k in kids] == ["completed", "ready", "pending",
+                                                      "pending"]
+    assert await _jobs(pool) == [str(kids[0]), str(kids[1])]
 
 
 def fanner(n: int) -> dict:
@@ -687,7 +709,7 @@ async def test_a_suspension_that_hands_nothing_over_takes_a_queued_run(
 
 async def test_a_stopping_worker_takes_no_queued_run(pool, checkpoint_pool, alice):
     # Queued runs have jobs that the other workers fetch: one that is
-    # stopping leaves them (it still goes on with its tree's, bounded).
+    # stopping leaves them (and goes on with no run of its own tree either).
     scope = alice[1]
     root_run = await _ready_root(pool, scope)
     ((_s1, q1),) = await _queued(pool, scope, 1)

@@ -509,9 +509,10 @@ async def drive(graph: Any, cfg: dict[str, Any], run: dict[str, Any],
 # process has a free slot, going on keeps no queued job waiting (the process
 # could take it all the same), so it is not counted: a fan-out's slot goes
 # from child to child without a break. Gone on this many times while the
-# process was full (or stopping), it leaves the next run to the queue: a busy
-# tree holds one worker slot for a bounded time while other trees' jobs wait.
-# 0: never go on.
+# process was full, it leaves the next run to the queue: a busy tree holds
+# one worker slot for a bounded time while other trees' jobs wait. 0: never
+# go on. A stopping worker goes on with none (`_next_token`): it exits once
+# its runs in flight end, however long the chain they are part of.
 MAX_CONTINUED_RUNS = 8
 
 # How long a worker tries to report that a run was cut off by the database
@@ -599,7 +600,7 @@ class RunExecutor:
 
     def stop_claims(self) -> asyncio.Task | None:
         """Claim no more; returns the claims' listening task, cancelled."""
-        self.stopping = True  # the runs in flight finish; chains are bounded
+        self.stopping = True  # the runs in flight finish; nothing follows them
         return self.listener.stop_claiming()
 
     async def close_claims(self) -> None:
@@ -659,7 +660,7 @@ class RunExecutor:
                         return outcome
                     log.debug("run %s: %s; going on with run %s", run["id"], outcome,
                               following[0]["id"])
-                    if self.slots.locked() or self.stopping:
+                    if self.slots.locked():
                         left -= 1  # a queued job may wait for this slot
                     run, token = following
 
@@ -850,7 +851,7 @@ class RunExecutor:
                 wait = stop.cooperation_wait()
                 # On the checkpoint connection, as a completion: the slot it
                 # releases may come back as the run to go on with.
-                next_token = uuid.uuid4() if go_on else None
+                next_token = self._next_token(go_on)
                 outcome, following = await runs.suspend(
                     saver.conn, run["id"], token, wait["kind"],
                     [uuid.UUID(t) for t in wait["targets"]], wait["cursor"], wait["timeout_s"],
@@ -870,7 +871,7 @@ class RunExecutor:
                     with contextlib.suppress(Exception):
                         await saver.write_held()
                 raise
-            next_token = uuid.uuid4() if go_on else None
+            next_token = self._next_token(go_on)
             type_, data, key = message_event(answer)
             # On the checkpoint connection: nothing else uses it now, and a
             # handed-over run's mark goes with the same transaction.
@@ -892,6 +893,14 @@ class RunExecutor:
             resume = None
             extra = await SteerInbox(self.pool, run, token).take(
                 (await graph.aget_state(cfg)).values["messages"])
+
+    def _next_token(self, go_on: bool) -> uuid.UUID | None:
+        """The token a run handed over at this completion (or suspension)
+        is leased with, or None: no hand-over. Asked at the completion, not
+        at the run's start: a worker told to stop while the run was in
+        flight takes nothing on; the run its completion gives a slot to gets
+        a job in that transaction, for another worker."""
+        return uuid.uuid4() if go_on and not self.stopping else None
 
     def _graph(self, run: dict[str, Any], token: uuid.UUID, saver: Any,
                visible: list[resources.Resolved] = (), box: Any = None, *,
