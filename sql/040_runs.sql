@@ -395,19 +395,18 @@ END;
 $$;
 
 -- Close the offer of a completing or suspending transaction
--- (offer_hand_over_v1): the run that took it, else, with p_from_queue, the
--- queued run taken in its place (take_queued_run_v1; a stopping worker
+-- (offer_hand_over_v1): the run that took it, else the queued run taken in
+-- its place (take_queued_run_v1; a stopping worker makes no offer, so it
 -- takes none: those runs have jobs other workers fetch), leased, with the
 -- caller's checkpoint connection marked with it when p_mark; NULL when
 -- there is none.
-CREATE FUNCTION yuxi.handed_over_run_v1(p_next_token uuid, p_mark boolean,
-                                        p_from_queue boolean DEFAULT true)
+CREATE FUNCTION yuxi.handed_over_run_v1(p_next_token uuid, p_mark boolean)
 RETURNS yuxi.leased_run
     LANGUAGE plpgsql AS $$
 DECLARE
     v_next uuid := yuxi.close_hand_over_v1();
 BEGIN
-    IF v_next IS NULL AND p_from_queue THEN
+    IF v_next IS NULL THEN
         v_next := yuxi.take_queued_run_v1(p_next_token);
     END IF;
     IF v_next IS NULL THEN
@@ -433,8 +432,7 @@ $$;
 -- turn's end satisfies, else the session's next queued turn; when one may run
 -- on the caller's host it is leased to the caller with that token (next_run)
 -- instead of being given a job: one commit and no queue round trip between a
--- slot's runs (else, with p_from_queue, the oldest queued run:
--- take_queued_run_v1); p_mark marks the caller's connection with its lease (as in
+-- slot's runs (else the oldest queued run: take_queued_run_v1); p_mark marks the caller's connection with its lease (as in
 -- start_run_v1), or, with no run to go on with, unmarks it: the worker
 -- hands it back without a round trip of its own.
 -- p_archive_*: the turn's messages (its checkpoint's, serialized), archived
@@ -448,7 +446,6 @@ CREATE FUNCTION yuxi.complete_run_v1(
     p_events jsonb DEFAULT '[]', p_mark boolean DEFAULT false,
     p_archive_ids text[] DEFAULT NULL, p_archive_turns uuid[] DEFAULT NULL,
     p_archive_serde text[] DEFAULT NULL, p_archive_messages bytea[] DEFAULT NULL,
-    p_from_queue boolean DEFAULT true,
     OUT outcome text, OUT next_run yuxi.leased_run
 )
     LANGUAGE plpgsql AS $$
@@ -493,7 +490,7 @@ BEGIN
         PERFORM yuxi.offer_hand_over_v1(p_next_token, p_lease_seconds, v_run);
     END IF;
     PERFORM yuxi.finish_turn_v1(p_run, 'completed', NULL);
-    next_run := yuxi.handed_over_run_v1(p_next_token, p_mark, p_from_queue);
+    next_run := yuxi.handed_over_run_v1(p_next_token, p_mark);
     IF (next_run).id IS NULL AND p_mark THEN
         PERFORM yuxi.mark_checkpoint_connection_v1('', '');
     END IF;

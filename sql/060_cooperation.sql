@@ -528,7 +528,6 @@ CREATE FUNCTION yuxi.suspend_run_v1(
     p_run uuid, p_token uuid, p_kind text, p_targets uuid[], p_cursor jsonb,
     p_timeout_seconds double precision, p_next_token uuid DEFAULT NULL,
     p_lease_seconds double precision DEFAULT NULL, p_mark boolean DEFAULT false,
-    p_from_queue boolean DEFAULT true,
     OUT outcome text, OUT next_run yuxi.leased_run
 )
     LANGUAGE plpgsql AS $$
@@ -584,7 +583,7 @@ BEGIN
         PERFORM yuxi.offer_hand_over_v1(p_next_token, p_lease_seconds, v_run);
     END IF;
     PERFORM yuxi.release_slot_v1(p_run);
-    next_run := yuxi.handed_over_run_v1(p_next_token, p_mark, p_from_queue);
+    next_run := yuxi.handed_over_run_v1(p_next_token, p_mark);
     outcome := 'suspended';
 END;
 $$;

@@ -187,7 +187,7 @@ SELECT c.outcome, (c.next_run).*
 FROM yuxi.complete_run_v1(%(run_id)s, %(token)s, %(output)s, %(delivered)s,
                           %(next_token)s, %(lease_seconds)s, %(events)s, %(mark)s,
                           %(archive_ids)b, %(archive_turns)b, %(archive_serde)b,
-                          %(archive_messages)b, %(from_queue)s) c;
+                          %(archive_messages)b) c;
 
 -- name: mark_steers_delivered
 SELECT yuxi.mark_steers_delivered_v1(%(run_id)s, %(token)s, %(input_ids)s) AS marked;
@@ -311,8 +311,7 @@ WHERE id = ANY(%(ids)s) AND user_id = %(user_id)s AND app_id = %(app_id)s;
 -- name: suspend_run
 SELECT s.outcome, (s.next_run).*
 FROM yuxi.suspend_run_v1(%(run_id)s, %(token)s, %(kind)s, %(targets)s, %(cursor)s,
-                         %(timeout)s, %(next_token)s, %(lease_seconds)s, %(mark)s,
-                         %(from_queue)s) s;
+                         %(timeout)s, %(next_token)s, %(lease_seconds)s, %(mark)s) s;
 
 -- name: resume_wait
 SELECT yuxi.resume_wait_v1(%(wait_id)s) AS run_id;

@@ -179,34 +179,28 @@ async def test_hand_over_goes_on_past_the_bound_while_the_process_has_a_free_slo
     assert await _jobs(pool) == [str(kids[0])]  # no job for any later child
 
 
-async def test_a_stopping_worker_goes_on_with_no_run(pool, checkpoint_pool, alice):
+@pytest.mark.parametrize("told", ["before the run", "during its model call"])
+async def test_a_stopping_worker_goes_on_with_no_run(pool, checkpoint_pool, alice,
+                                                     monkeypatch, told):
     # Negative of the above: a stopping worker (free slots or not) takes on
     # nothing after the run it has: the next child gets a job, for another
-    # worker, and this one can exit once its run ends.
-    kids = await _four_kids_on_one_slot(pool, alice[1])
-    worker = executor(pool, checkpoint_pool, worker_concurrency=2)
-    worker.stop_claims()
-    assert await worker.execute(kids[0]) == "completed"
-    assert [await _status(pool, k) for k in kids] == ["completed", "ready", "pending",
-                                                      "pending"]
-    assert await _jobs(pool) == [str(kids[0]), str(kids[1])]
-
-
-async def test_a_worker_told_to_stop_mid_run_takes_nothing_on(
-        pool, checkpoint_pool, alice, monkeypatch):
-    # SIGTERM while a run is in flight: its completion hands over nothing
-    # (whether to go on is asked at the completion, not at the run's start).
+    # worker, and this one can exit once its run ends. Whether to go on is
+    # asked at the completion, not at the run's start: a SIGTERM while the
+    # run is in flight counts too.
     from yuxi.runtime import graph as graph_module
 
     kids = await _four_kids_on_one_slot(pool, alice[1])
     worker = executor(pool, checkpoint_pool, worker_concurrency=2)
-    real = graph_module.call_chat_model
-
-    def stop_meanwhile(*args):
+    if told == "before the run":
         worker.stop_claims()
-        return real(*args)
+    else:
+        real = graph_module.call_chat_model
 
-    monkeypatch.setattr(graph_module, "call_chat_model", stop_meanwhile)
+        def stop_meanwhile(*args):
+            worker.stop_claims()
+            return real(*args)
+
+        monkeypatch.setattr(graph_module, "call_chat_model", stop_meanwhile)
     assert await worker.execute(kids[0]) == "completed"
     assert [await _status(pool, k) for k in kids] == ["completed", "ready", "pending",
                                                       "pending"]

@@ -856,7 +856,7 @@ class RunExecutor:
                     saver.conn, run["id"], token, wait["kind"],
                     [uuid.UUID(t) for t in wait["targets"]], wait["cursor"], wait["timeout_s"],
                     next_token=next_token, lease_seconds=self.settings.lease_seconds,
-                    mark=True, saver=saver, from_queue=not self.stopping)
+                    mark=True, saver=saver)
                 if outcome == "suspended":
                     return outcome, (following, next_token) if following else None
                 resume, extra = {"reason": outcome}, []  # ready or cycle: answer at once
@@ -878,7 +878,6 @@ class RunExecutor:
             outcome, following = await runs.complete(
                 saver.conn, run["id"], token, {"text": answer.text, "message_id": answer.id},
                 delivered, next_token=next_token, lease_seconds=self.settings.lease_seconds,
-                from_queue=not self.stopping,
                 events=[{"type": type_, "data": data,
                          "dedupe_key": f"{run['turn_id']}:{key}"}], mark=True,
                 archive=conversation.archive_params(conv.final), saver=saver)

@@ -99,7 +99,7 @@ async def complete(
     output: dict[str, Any], delivered: list[uuid.UUID] = (), *,
     next_token: uuid.UUID | None = None, lease_seconds: float | None = None,
     events: list[dict[str, Any]] = (), mark: bool = False,
-    archive: dict[str, list[Any]] | None = None, saver: Any = None, from_queue: bool = True,
+    archive: dict[str, list[Any]] | None = None, saver: Any = None,
 ) -> tuple[str, dict[str, Any] | None]:
     """Complete the run and its turn: 'completed'; 'steer' (nothing changed)
     when the turn took in a steer that is not among `delivered` (deliver it
@@ -111,8 +111,8 @@ async def complete(
     session's next queued turn), when it may run on this run's host, comes
     back leased with that token (as `start_run` returns it) and gets no job:
     the caller must execute it (`mark`: as in `start_run`). When no run of
-    the tree takes it, and with `from_queue`, the oldest ready run whose job
-    is due in this worker's queues comes back instead, its job deleted.
+    the tree takes it, the oldest ready run whose job is due in this
+    worker's queues comes back instead, its job deleted.
 
     `archive` (conversation.archive_params of the turn's messages) joins the
     conversation archive when the turn completes, in the same transaction.
@@ -123,7 +123,6 @@ async def complete(
     params = {"run_id": run_id, "token": token, "output": Jsonb(output),
               "delivered": list(delivered), "next_token": next_token,
               "lease_seconds": lease_seconds, "events": Jsonb(list(events)), "mark": mark,
-              "from_queue": from_queue,
               **{f"archive_{k}": archive.get(k) for k in ("ids", "turns", "serde", "messages")}}
     return await _leaving(source, saver, "complete_run", params)
 
@@ -198,16 +197,16 @@ async def suspend(
     source: AsyncConnectionPool | AsyncConnection, run_id: uuid.UUID, token: uuid.UUID,
     kind: str, targets: list[uuid.UUID], cursor: dict[str, int], timeout_s: float, *,
     next_token: uuid.UUID | None = None, lease_seconds: float | None = None,
-    mark: bool = False, saver: Any = None, from_queue: bool = True,
+    mark: bool = False, saver: Any = None,
 ) -> tuple[str, dict[str, Any] | None]:
     """Suspend the run on a wait: 'suspended', or 'ready' / 'cycle' when the
     run must go on at once. With `next_token`, the run the released slot
-    goes to (or, with `from_queue`, a queued run) comes back leased, as
+    goes to (or a queued run) comes back leased, as
     from `complete` (then the caller must execute it); `saver`: the run's
     held checkpoint writes go out first, in the same transaction."""
     params = {"run_id": run_id, "token": token, "kind": kind, "targets": targets,
               "cursor": Jsonb(cursor), "timeout": timeout_s, "next_token": next_token,
-              "lease_seconds": lease_seconds, "mark": mark, "from_queue": from_queue}
+              "lease_seconds": lease_seconds, "mark": mark}
     return await _leaving(source, saver, "suspend_run", params)
 
 
