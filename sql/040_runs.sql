@@ -432,9 +432,12 @@ $$;
 -- turn's end satisfies, else the session's next queued turn; when one may run
 -- on the caller's host it is leased to the caller with that token (next_run)
 -- instead of being given a job: one commit and no queue round trip between a
--- slot's runs (else the oldest queued run: take_queued_run_v1); p_mark marks the caller's connection with its lease (as in
--- start_run_v1), or, with no run to go on with, unmarks it: the worker
--- hands it back without a round trip of its own.
+-- slot's runs (else the oldest queued run: take_queued_run_v1); p_mark
+-- marks the caller's connection with its lease (as in start_run_v1), or,
+-- with no run to go on with, unmarks it: the worker hands it back without a
+-- round trip of its own. Without p_next_token (a stopping worker, or a
+-- chain at its bound) nothing is handed over: each run that gets a slot
+-- gets a job.
 -- p_archive_*: the turn's messages (its checkpoint's, serialized), archived
 -- into yuxi.conversation in this transaction when the turn completes
 -- (sql/140_conversation.sql; the next turn's first run then only drops them

@@ -196,9 +196,9 @@ async def test_a_stopping_worker_goes_on_with_no_run(pool, checkpoint_pool, alic
     else:
         real = graph_module.call_chat_model
 
-        def stop_meanwhile(*args):
+        def stop_meanwhile(*args, **kwargs):
             worker.stop_claims()
-            return real(*args)
+            return real(*args, **kwargs)
 
         monkeypatch.setattr(graph_module, "call_chat_model", stop_meanwhile)
     assert await worker.execute(kids[0]) == "completed"
